@@ -1,0 +1,24 @@
+"""Graph passes: normalize a Dynamo graph to ATen, then match each family and rewrite it to
+torch.ops.xaccel.* calls. Installed as torch_xaccel.lowering."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.fx
+
+from . import gemm_epilogue
+
+# family -> pass(gm, graph_report) ; order matters: larger patterns first once there are several.
+PASSES: dict[str, Callable[[torch.fx.GraphModule, object], None]] = {
+    "gemm_epilogue": gemm_epilogue.run,
+}
+FAMILIES_WITH_PASSES: tuple[str, ...] = tuple(PASSES)
+
+
+def run_passes(gm: torch.fx.GraphModule, patterns, graph_report) -> torch.fx.GraphModule:
+    for family, fn in PASSES.items():
+        if family in patterns:
+            fn(gm, graph_report)
+    gm.graph.lint()
+    gm.recompile()
+    return gm

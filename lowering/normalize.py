@@ -1,0 +1,18 @@
+"""Bring a Dynamo graph to one ATen-level IR: pre-dispatch (still differentiable), fake tensors,
+symbolic shapes shared with Dynamo's shape environment. Patterns match on this IR only."""
+from __future__ import annotations
+
+import torch
+import torch.fx
+import torch.fx.traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+
+
+def to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
+    """Retrace through an Interpreter so every ATen node keeps the user's stack trace in its meta
+    (the report points at source lines). make_fx reuses Dynamo's fake mode when there is one."""
+    def run(*args):
+        return torch.fx.Interpreter(gm).run(*args)
+
+    with fx_traceback.preserve_node_meta():
+        return make_fx(run, pre_dispatch=True, tracing_mode="symbolic")(*example_inputs)

@@ -1,0 +1,33 @@
+import os
+
+import pytest
+import torch
+
+# Tests must not depend on the developer's shell; each sets the switches it exercises.
+for _name in [k for k in os.environ if k.startswith("XACCEL_")]:
+    del os.environ[_name]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def xaccel_env(monkeypatch):
+    """Set XACCEL_* variables for one test."""
+    def set_env(**values):
+        for k, v in values.items():
+            monkeypatch.setenv(k, v)
+    return set_env

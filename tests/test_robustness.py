@@ -1,0 +1,80 @@
+"""Never fail a compile because of xaccel; never let a broken kernel give a wrong answer."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_xaccel
+from torch_xaccel import lowering, runtime
+from torch_xaccel.report import Report, collect
+
+
+def fn(x, w):
+    return torch.tanh(F.linear(x, w)) + 1
+
+
+def test_exception_in_a_pass_falls_back_with_one_warning(monkeypatch):
+    def broken(gm, report):
+        raise RuntimeError("planted failure")
+
+    monkeypatch.setitem(lowering.PASSES, "gemm_epilogue", broken)
+    x, w = torch.randn(5, 3), torch.randn(4, 3)
+    with pytest.warns(torch_xaccel.XaccelFallbackWarning, match="planted failure") as record, collect() as graphs:
+        out = torch.compile(fn, backend="xaccel")(x, w)
+    assert len([r for r in record if issubclass(r.category, torch_xaccel.XaccelFallbackWarning)]) == 1
+    torch.testing.assert_close(out, fn(x, w))
+    report = Report(graphs=graphs)
+    assert report.counts()["gemm_epilogue"] == 0
+    assert any(f.family == "backend" and "planted failure" in f.reason for f in report.fallbacks)
+
+
+def test_exception_after_lowering_also_falls_back(monkeypatch):
+    import torch_xaccel.backend as backend
+
+    def broken(*a):
+        raise ValueError("aot exploded")
+
+    monkeypatch.setattr(backend, "_compile_rest", broken)
+    x, w = torch.randn(5, 3), torch.randn(4, 3)
+    with pytest.warns(torch_xaccel.XaccelFallbackWarning, match="aot exploded"):
+        out = torch.compile(fn, backend="xaccel")(x, w)
+    torch.testing.assert_close(out, fn(x, w))
+
+
+def test_failing_kernel_provider_degrades_to_reference():
+    calls = []
+
+    def broken_provider(key, *args):
+        calls.append(key)
+        raise RuntimeError("kernel build failed")
+
+    runtime.register_provider("gemm_epilogue", broken_provider)
+    try:
+        x, w = torch.randn(5, 3), torch.randn(4, 3)
+        compiled = torch.compile(fn, backend="xaccel")
+        with pytest.warns(torch_xaccel.XaccelFallbackWarning, match="kernel build failed"):
+            out = compiled(x, w)
+        torch.testing.assert_close(out, fn(x, w))
+        out2 = compiled(x, w)  # the broken provider is not retried for the same case
+        torch.testing.assert_close(out2, fn(x, w))
+        assert len(calls) == 1
+        assert runtime.EVENTS[-1].reason == "RuntimeError: kernel build failed"
+    finally:
+        runtime.unregister_provider("gemm_epilogue", broken_provider)
+
+
+def test_provider_result_is_used_when_it_takes_the_case():
+    seen = []
+
+    def provider(key, a, bs, operands, epilogue, b_transposed):
+        seen.append(key)
+        return NotImplemented if a.shape[0] == 5 else [torch.full((a.shape[0], bs[0].shape[0]), 7.0)]
+
+    runtime.register_provider("gemm_epilogue", provider)
+    try:
+        compiled = torch.compile(fn, backend="xaccel", dynamic=True)
+        x, w = torch.randn(5, 3), torch.randn(4, 3)
+        torch.testing.assert_close(compiled(x, w), fn(x, w))  # NotImplemented -> reference
+        assert torch.all(compiled(torch.randn(6, 3), w) == 7.0)  # the provider's own result
+        assert seen[0].startswith("cpu:torch.float32:nt:5x3,4x3")
+    finally:
+        runtime.unregister_provider("gemm_epilogue", provider)

@@ -1,0 +1,64 @@
+"""The `xaccel` torch.compile backend (found through the torch_dynamo_backends entry point).
+
+Dynamo graph -> ATen pre-dispatch IR -> pattern passes -> aot_autograd (xaccel ops bring their own
+backward) -> the rest runs eagerly, or through Inductor with XACCEL_FALLBACK=inductor.
+Any exception in that pipeline is reported and the captured graph runs unmodified: compiling never
+fails because of xaccel. (An invalid XACCEL_* value is the one exception: it raises a clear error.)
+
+This module must not call torch._dynamo.register_backend for "xaccel": torch loads it from the entry
+point and registers the function itself; a second registration fails with "duplicate name".
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import config as _config
+from . import ops  # noqa: F401  (registers torch.ops.xaccel.*)
+from .errors import XaccelFallbackWarning
+from .report import Fallback, new_graph_report, publish
+
+
+def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str):
+    if fallback == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def run_eagerly(g, _inputs):
+        return make_boxed_func(g.forward)
+
+    return aot_autograd(fw_compiler=run_eagerly, bw_compiler=run_eagerly)(gm, example_inputs)
+
+
+def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **_options):
+    cfg = _config.load()
+    report = new_graph_report()
+    report.fallback_backend, report.patterns = cfg.fallback, tuple(sorted(cfg.patterns))
+    try:
+        if cfg.disable:
+            report.disabled = True
+            return gm.forward
+        from .lowering import run_passes
+        from .lowering.normalize import to_aten
+
+        lowered = run_passes(to_aten(gm, example_inputs), cfg.patterns, report)
+        if not report.replacements:
+            # nothing of ours in the graph: hand the original to the fallback untouched
+            return gm.forward if cfg.fallback == "eager" else _compile_rest(gm, example_inputs, cfg.fallback)
+        return _compile_rest(lowered, example_inputs, cfg.fallback)
+    except Exception as e:  # noqa: BLE001 - the contract: never fail a compile because of xaccel
+        report.replacements.clear()
+        report.fallbacks.append(Fallback("backend", f"{type(e).__name__}: {e}; ran the captured graph unmodified"))
+        warnings.warn(f"xaccel: backend failed ({type(e).__name__}: {e}); running the captured graph unmodified",
+                      XaccelFallbackWarning, stacklevel=2)
+        return gm.forward
+    finally:
+        publish(report)
+        if cfg.log:
+            from .report import Report
+
+            print(Report(graphs=[report]), flush=True)

@@ -1,0 +1,66 @@
+"""Environment switches, read afresh at every compile so a user can flip them between calls."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import XaccelConfigError
+
+FALLBACKS = ("eager", "inductor")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class Config:
+    disable: bool
+    patterns: frozenset[str]
+    fallback: str
+    log: bool
+    cache_dir: Path
+
+
+def _flag(name: str) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise XaccelConfigError(f"{name}={os.environ[name]!r} is invalid; allowed: 0 or 1 (also true/false, yes/no, on/off)")
+
+
+def _patterns(known: tuple[str, ...]) -> frozenset[str]:
+    raw = os.environ.get("XACCEL_PATTERNS", "").strip()
+    if not raw:
+        return frozenset(known)
+    names = [p.strip() for p in raw.split(",") if p.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise XaccelConfigError(
+            f"XACCEL_PATTERNS={raw!r} is invalid ({', '.join(unknown) or 'empty list'}); "
+            f"allowed: a comma-separated subset of {', '.join(known)}")
+    return frozenset(names)
+
+
+def _fallback() -> str:
+    raw = os.environ.get("XACCEL_FALLBACK", "eager").strip().lower() or "eager"
+    if raw not in FALLBACKS:
+        raise XaccelConfigError(f"XACCEL_FALLBACK={os.environ['XACCEL_FALLBACK']!r} is invalid; allowed: {', '.join(FALLBACKS)}")
+    return raw
+
+
+def _cache_dir() -> Path:
+    raw = os.environ.get("XACCEL_CACHE_DIR", "").strip()
+    path = Path(raw).expanduser() if raw else Path.home() / ".cache" / "torch_xaccel"
+    if path.exists() and not path.is_dir():
+        raise XaccelConfigError(f"XACCEL_CACHE_DIR={raw!r} is invalid; allowed: a directory path (this one is a file)")
+    return path
+
+
+def load() -> Config:
+    """Read every XACCEL_* variable; raise one XaccelConfigError naming the first bad one."""
+    from .lowering import FAMILIES_WITH_PASSES
+
+    return Config(disable=_flag("XACCEL_DISABLE"), patterns=_patterns(FAMILIES_WITH_PASSES),
+                  fallback=_fallback(), log=_flag("XACCEL_LOG"), cache_dir=_cache_dir())

@@ -1,0 +1,178 @@
+"""Backend-neutral description of the elementwise chain fused into a GEMM's epilogue.
+
+An epilogue is a small SSA program over the fp32 accumulator tile. The same node list is read by
+every consumer: the plain-torch reference (`evaluate`, `vjp`), the Triton and CUTLASS (EVT)
+renderers, and the ONNX exporter. It travels inside the op's arguments as canonical JSON, so a
+graph, a cache key and an ONNX attribute all carry the identical string.
+
+Node kinds (each a dict with "op"):
+  acc    {"index": i}                 accumulator of GEMM i (a @ b_i, before any epilogue)
+  load   {"operand": j, "bcast": b}   extra tensor operand j, lined up with the M x N output as
+                                      full (same shape), row (one value per column n, e.g. a bias),
+                                      col (one value per row m) or scalar (a 0-d tensor)
+  const  {"value": v}                 a Python number
+  unary  {"in": [x]}                  relu, gelu, gelu_tanh, silu, sigmoid, tanh
+  binary {"in": [x, y]}               add, sub, mul, div
+"outputs" lists the node ids the op returns: the chain's final value first, then intermediates
+the rest of the graph also reads.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+UNARY = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh")
+BINARY = ("add", "sub", "mul", "div")
+BCASTS = ("full", "row", "col", "scalar")
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    nodes: tuple[dict, ...]
+    outputs: tuple[int, ...]
+
+    def to_json(self) -> str:
+        return json.dumps({"v": 1, "nodes": list(self.nodes), "outputs": list(self.outputs)},
+                          sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str) -> "Epilogue":
+        data = json.loads(text)
+        if data.get("v") != 1:
+            raise ValueError(f"unknown epilogue IR version {data.get('v')!r}")
+        ep = Epilogue(tuple(data["nodes"]), tuple(data["outputs"]))
+        ep.validate()
+        return ep
+
+    @property
+    def num_accs(self) -> int:
+        return 1 + max(n["index"] for n in self.nodes if n["op"] == "acc")
+
+    def validate(self) -> None:
+        for i, n in enumerate(self.nodes):
+            op = n["op"]
+            if op in UNARY or op in BINARY:
+                want = 1 if op in UNARY else 2
+                if len(n["in"]) != want or any(not 0 <= j < i for j in n["in"]):
+                    raise ValueError(f"epilogue node {i} ({op}) has bad inputs {n['in']}")
+            elif op == "load" and n["bcast"] not in BCASTS:
+                raise ValueError(f"epilogue node {i} has unknown broadcast {n['bcast']!r}")
+            elif op not in ("acc", "load", "const"):
+                raise ValueError(f"epilogue node {i} has unknown op {op!r}")
+        if not self.outputs or any(not 0 <= o < len(self.nodes) for o in self.outputs):
+            raise ValueError(f"epilogue outputs {self.outputs} out of range")
+
+    def describe(self) -> str:
+        """One line for reports: the ops in order, e.g. 'bias(row) -> gelu_tanh -> add(full)'."""
+        parts = []
+        for n in self.nodes:
+            op = n["op"]
+            if op in UNARY:
+                parts.append(op)
+            elif op in BINARY:
+                srcs = [self.nodes[j] for j in n["in"]]
+                extra = [f"{s['value']:g}" if s["op"] == "const" else s["bcast"] for s in srcs if s["op"] in ("const", "load")]
+                parts.append(f"{op}({', '.join(extra)})" if extra else op)
+        return " -> ".join(parts) or "(none)"
+
+
+@functools.lru_cache(maxsize=512)
+def parse(text: str) -> Epilogue:
+    """Cached from_json: ops parse their IR string on every call."""
+    return Epilogue.from_json(text)
+
+
+# ---- reference semantics: fp32 evaluation of the chain ------------------------------------------
+
+_UNARY_FN = {
+    "relu": torch.relu,
+    "gelu": lambda x: torch.nn.functional.gelu(x),
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    "silu": torch.nn.functional.silu,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+}
+_BINARY_FN = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
+
+
+def evaluate(ep: Epilogue, accs: Sequence[torch.Tensor], operands: Sequence[torch.Tensor],
+             dtype: torch.dtype = torch.float32) -> list:
+    """Value of every node, computed in `dtype` (fp32 is the op's semantics; tests use float64).
+    Constants stay Python numbers."""
+    vals: list = []
+    for n in ep.nodes:
+        op = n["op"]
+        if op == "acc":
+            vals.append(accs[n["index"]].to(dtype))
+        elif op == "load":
+            vals.append(operands[n["operand"]].to(dtype))
+        elif op == "const":
+            vals.append(n["value"])
+        elif op in _UNARY_FN:
+            vals.append(_UNARY_FN[op](vals[n["in"][0]]))
+        else:
+            x, y = (vals[j] for j in n["in"])
+            vals.append(_BINARY_FN[op](x, y))
+    return vals
+
+
+def _unary_grad(op: str, g, x, y):
+    aten = torch.ops.aten
+    if op == "relu":
+        return aten.threshold_backward(g, y, 0)
+    if op in ("gelu", "gelu_tanh"):
+        return aten.gelu_backward(g, x, approximate="tanh" if op == "gelu_tanh" else "none")
+    if op == "silu":
+        return aten.silu_backward(g, x)
+    if op == "sigmoid":
+        return aten.sigmoid_backward(g, y)
+    return aten.tanh_backward(g, y)
+
+
+def vjp(ep: Epilogue, vals: list, out_grads: Sequence[torch.Tensor | None]):
+    """Reverse pass over the node list: gradients of the accumulators and of the operands, in the
+    dtype `vals` were evaluated in.
+
+    Uses ATen's own backward formulas, so the result matches eager autograd on the same chain.
+    """
+    grads: list = [None] * len(ep.nodes)
+
+    def push(j, g):
+        if ep.nodes[j]["op"] != "const":
+            grads[j] = g if grads[j] is None else grads[j] + g
+
+    for o, g in zip(ep.outputs, out_grads):
+        if g is not None:
+            push(o, g.to(vals[o].dtype) if isinstance(vals[o], torch.Tensor) else g)
+    acc_grads: dict[int, torch.Tensor] = {}
+    op_grads: dict[int, torch.Tensor] = {}
+    for i in range(len(ep.nodes) - 1, -1, -1):
+        n, g = ep.nodes[i], grads[i]
+        if g is None:
+            continue
+        op = n["op"]
+        if op == "acc":
+            k = n["index"]
+            acc_grads[k] = g if k not in acc_grads else acc_grads[k] + g
+        elif op == "load":
+            k = n["operand"]
+            op_grads[k] = g if k not in op_grads else op_grads[k] + g
+        elif op in _UNARY_FN:
+            j = n["in"][0]
+            push(j, _unary_grad(op, g, vals[j], vals[i]))
+        else:
+            a, b = n["in"]
+            x, y = vals[a], vals[b]
+            if op == "add":
+                push(a, g), push(b, g)
+            elif op == "sub":
+                push(a, g), push(b, -g)
+            elif op == "mul":
+                push(a, g * y), push(b, g * x)
+            else:  # div
+                push(a, g / y), push(b, -g * x / (y * y))
+    return acc_grads, op_grads

@@ -1,0 +1,33 @@
+"""torch_xaccel.explain: what the backend would do with a model on given inputs."""
+from __future__ import annotations
+
+import torch
+
+from . import runtime
+from .report import Fallback, Report, collect
+
+
+def explain(model, *args, **kwargs) -> Report:
+    """Compile `model` with the xaccel backend on these inputs, run it once, and report:
+    replacements per family, fallbacks with reasons, Dynamo graph breaks and kernel failures.
+
+    Like torch._dynamo.explain, this resets Dynamo's caches before and after (models compiled
+    earlier recompile on their next call)."""
+    from .backend import xaccel_backend
+
+    import torch._dynamo
+
+    breaks = torch._dynamo.explain(model)(*args, **kwargs).break_reasons
+    n_events = len(runtime.EVENTS)
+    torch._dynamo.reset()
+    try:
+        with collect() as graphs:
+            torch.compile(model, backend=xaccel_backend)(*args, **kwargs)
+    finally:
+        torch._dynamo.reset()
+    report = Report(graphs=graphs, runtime_fallbacks=runtime.EVENTS[n_events:])
+    for b in breaks:
+        frames = getattr(b, "user_stack", None) or []
+        where = f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}" if frames else ""
+        report.graph_breaks.append(Fallback("graph_break", str(b.reason).strip().splitlines()[0], where))
+    return report

@@ -1,0 +1,97 @@
+"""xaccel::gemm_epilogue — one or two GEMMs sharing `a`, followed by an elementwise chain.
+
+    out = epilogue(acc_0 = a @ op(b_0), acc_1 = a @ op(b_1), operands...)
+
+where op(b) = b^T when `b_transposed` (an nn.Linear weight, N x K) and b otherwise (K x N), and
+the GEMM follows torch.matmul's shape rules (a: [..., M, K]; b: 2-D, or 3-D batched with a 3-D a).
+Two GEMMs express SwiGLU-style blocks: silu(a @ W1^T) * (a @ W3^T).
+
+Reference semantics: each GEMM runs in the input dtype (as eager does), the chain runs in fp32 on
+the accumulator and the result is rounded once to the input dtype. In fp32 this is exactly eager.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import runtime
+from ..epilogue_ir import Epilogue, evaluate, parse, vjp
+
+OP_NAME = "gemm_epilogue"
+
+
+def _b_kn(b: Tensor, b_transposed: bool) -> Tensor:
+    return b.transpose(-1, -2) if b_transposed else b
+
+
+def reference(a: Tensor, bs: list[Tensor], operands: list[Tensor], epilogue: str, b_transposed: bool) -> list[Tensor]:
+    ep = parse(epilogue)
+    accs = [torch.matmul(a, _b_kn(b, b_transposed)) for b in bs]
+    vals = evaluate(ep, accs, operands)
+    outs = [vals[o].to(a.dtype) for o in ep.outputs]
+    inputs = {id(t) for t in (a, *bs, *operands)}
+    return [o.clone() if id(o) in inputs else o for o in outs]  # custom ops must not alias inputs
+
+
+def case_key(a: Tensor, bs: list[Tensor], operands: list[Tensor], epilogue: str, b_transposed: bool) -> str:
+    shapes = ",".join("x".join(map(str, t.shape)) for t in (a, *bs, *operands))
+    return f"{a.device.type}:{a.dtype}:{'nt' if b_transposed else 'nn'}:{shapes}:{epilogue}"
+
+
+@torch.library.custom_op("xaccel::gemm_epilogue", mutates_args=())
+def gemm_epilogue(a: Tensor, bs: list[Tensor], operands: list[Tensor], epilogue: str, b_transposed: bool) -> list[Tensor]:
+    args = (a, bs, operands, epilogue, b_transposed)
+    return runtime.dispatch(OP_NAME, case_key, reference, *args)
+
+
+@gemm_epilogue.register_fake
+def _fake(a, bs, operands, epilogue, b_transposed):
+    shape = torch.matmul(a, _b_kn(bs[0], b_transposed)).shape
+    n_out = len(parse(epilogue).outputs)
+    return [a.new_empty(shape) for _ in range(n_out)]
+
+
+def backward_reference(grads, a, bs, operands, epilogue, b_transposed):
+    """Gradients of (a, bs, operands): recompute the accumulators, run the chain's vjp, then the
+    GEMM transposes. Broadcast operands and broadcast batch dims are summed back to their shapes."""
+    ep = parse(epilogue)
+    accs = [torch.matmul(a, _b_kn(b, b_transposed)) for b in bs]
+    acc_grads, op_grads = vjp(ep, evaluate(ep, accs, operands), grads)
+    da = None
+    dbs = []
+    for k, b in enumerate(bs):
+        g = acc_grads.get(k)
+        if g is None:
+            dbs.append(torch.zeros_like(b))
+            continue
+        g = g.to(a.dtype)
+        part = torch.matmul(g, _b_kn(b, b_transposed).transpose(-1, -2)).sum_to_size(a.shape)
+        da = part if da is None else da + part
+        if b.dim() == 2:  # fold all leading dims of a into M: one large GEMM
+            a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
+            db = g2.t() @ a2 if b_transposed else a2.t() @ g2
+        else:
+            db = (g.transpose(-1, -2) @ a if b_transposed else a.transpose(-1, -2) @ g).sum_to_size(b.shape)
+        dbs.append(db)
+    if da is None:
+        da = torch.zeros_like(a)
+    dops = [op_grads[j].sum_to_size(t.shape).to(t.dtype) if j in op_grads else torch.zeros_like(t)
+            for j, t in enumerate(operands)]
+    return da, dbs, dops
+
+
+def _setup_context(ctx, inputs, output):
+    a, bs, operands, epilogue, b_transposed = inputs
+    ctx.save_for_backward(a, *bs, *operands)
+    ctx.n_b = len(bs)
+    ctx.epilogue, ctx.b_transposed = epilogue, b_transposed
+
+
+def _backward(ctx, grads):
+    saved = ctx.saved_tensors
+    a, bs, operands = saved[0], list(saved[1:1 + ctx.n_b]), list(saved[1 + ctx.n_b:])
+    da, dbs, dops = backward_reference(list(grads), a, bs, operands, ctx.epilogue, ctx.b_transposed)
+    return da, dbs, dops, None, None
+
+
+gemm_epilogue.register_autograd(_backward, setup_context=_setup_context)

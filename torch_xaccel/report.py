@@ -1,0 +1,108 @@
+"""What the backend did with each graph: replacements, fallbacks with reasons, graph breaks, errors."""
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+
+FAMILIES = ("gemm_epilogue", "mlstm", "mlstm_step", "slstm")
+
+
+@dataclass(frozen=True)
+class Replacement:
+    family: str
+    op: str
+    pattern: str
+    location: str = ""
+    note: str = ""  # e.g. where the chain stopped and why
+
+
+@dataclass(frozen=True)
+class Fallback:
+    family: str  # a pattern family, "graph_break" or "backend"
+    reason: str
+    location: str = ""
+
+
+@dataclass
+class GraphReport:
+    """One Dynamo graph's compile."""
+    index: int
+    replacements: list[Replacement] = field(default_factory=list)
+    fallbacks: list[Fallback] = field(default_factory=list)
+    disabled: bool = False
+    fallback_backend: str = "eager"
+    patterns: tuple[str, ...] = ()
+
+
+@dataclass
+class Report:
+    graphs: list[GraphReport] = field(default_factory=list)
+    graph_breaks: list[Fallback] = field(default_factory=list)
+    runtime_fallbacks: list = field(default_factory=list)
+
+    @property
+    def replacements(self) -> list[Replacement]:
+        return [r for g in self.graphs for r in g.replacements]
+
+    @property
+    def fallbacks(self) -> list[Fallback]:
+        """Everything not replaced, with the reason: pattern refusals, backend errors, graph breaks."""
+        return [f for g in self.graphs for f in g.fallbacks] + list(self.graph_breaks)
+
+    def counts(self) -> dict[str, int]:
+        out = {f: 0 for f in FAMILIES}
+        for r in self.replacements:
+            out[r.family] = out.get(r.family, 0) + 1
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"torch_xaccel report: {len(self.graphs)} graph(s), {len(self.graph_breaks)} graph break(s)"]
+        if any(g.disabled for g in self.graphs):
+            lines.append("  XACCEL_DISABLE=1: graphs ran as captured, nothing replaced")
+        counts = ", ".join(f"{k}={v}" for k, v in self.counts().items())
+        lines.append(f"  replaced: {counts}")
+        rows = [("replaced", r.family, r.pattern + (f"  [{r.note}]" if r.note else ""), r.location) for r in self.replacements]
+        rows += [("fallback", f.family, f.reason, f.location) for f in self.fallbacks]
+        rows += [("runtime", e.op, f"{e.provider}: {e.reason}", e.key[:40]) for e in self.runtime_fallbacks]
+        if rows:
+            widths = [max(len(str(r[i])) for r in rows + [("what", "family", "detail", "where")]) for i in range(3)]
+            widths = [min(w, 70) for w in widths]
+            head = ("what", "family", "detail", "where")
+            fmt = lambda r: "  " + "  ".join(str(c)[:w].ljust(w) for c, w in zip(r[:3], widths)) + "  " + str(r[3])
+            lines += [fmt(head), "  " + "-" * (sum(widths) + 12)] + [fmt(r) for r in rows]
+        return "\n".join(lines)
+
+
+# Every compile's GraphReport goes to the recent list and to each active collector (explain()).
+RECENT: deque[GraphReport] = deque(maxlen=64)
+_COLLECTORS: list[list[GraphReport]] = []
+_counter = 0
+
+
+def new_graph_report() -> GraphReport:
+    global _counter
+    _counter += 1
+    return GraphReport(index=_counter)
+
+
+def publish(report: GraphReport) -> None:
+    RECENT.append(report)
+    for c in _COLLECTORS:
+        c.append(report)
+
+
+@contextlib.contextmanager
+def collect():
+    sink: list[GraphReport] = []
+    _COLLECTORS.append(sink)
+    try:
+        yield sink
+    finally:
+        _COLLECTORS.remove(sink)
+
+
+def last_report(n_graphs: int | None = None) -> Report:
+    """Report over the most recent compiles (all kept ones by default)."""
+    graphs = list(RECENT)
+    return Report(graphs=graphs[-n_graphs:] if n_graphs else graphs)

@@ -1,0 +1,62 @@
+"""Picks how an xaccel op runs on a device: a registered fast kernel, else the op's reference.
+
+Kernel providers are registered per op by the codegen modules. A provider returns NotImplemented
+for a case it does not cover; if it raises, the error is recorded, a warning is shown once, the
+provider is not tried again for that case, and the reference (ATen composition) runs instead, so
+a broken kernel costs speed, never a wrong answer or a crash.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+from .errors import XaccelFallbackWarning
+
+
+@dataclass(frozen=True)
+class RuntimeFallback:
+    op: str
+    provider: str
+    key: str
+    reason: str
+
+
+_PROVIDERS: dict[str, list[Callable]] = {}
+_BROKEN: set[tuple[str, str, str]] = set()
+EVENTS: list[RuntimeFallback] = []
+
+
+def register_provider(op: str, provider: Callable) -> None:
+    """provider(key, *args) -> result | NotImplemented; `key` names the case (device, dtype, shapes)."""
+    _PROVIDERS.setdefault(op, []).append(provider)
+
+
+def unregister_provider(op: str, provider: Callable) -> None:
+    _PROVIDERS.get(op, []).remove(provider)
+
+
+def dispatch(op: str, key_fn: Callable[..., str], reference: Callable, *args):
+    """Run the first provider that takes the case, else `reference(*args)`.
+
+    key_fn(*args) names the case; it is only evaluated when a provider exists (keeps the hot path
+    free of string formatting when no kernel is registered, e.g. on CPU).
+    """
+    providers = _PROVIDERS.get(op, ())
+    key = key_fn(*args) if providers else ""
+    for provider in providers:
+        name = getattr(provider, "__qualname__", repr(provider))
+        if (op, name, key) in _BROKEN:
+            continue
+        try:
+            out = provider(key, *args)
+        except Exception as e:  # noqa: BLE001 - any kernel failure must degrade to the reference
+            _BROKEN.add((op, name, key))
+            event = RuntimeFallback(op, name, key, f"{type(e).__name__}: {e}")
+            EVENTS.append(event)
+            warnings.warn(f"xaccel: kernel {name} for {op} [{key}] failed ({event.reason}); "
+                          "running the ATen reference instead", XaccelFallbackWarning, stacklevel=2)
+            continue
+        if out is not NotImplemented:
+            return out
+    return reference(*args)
