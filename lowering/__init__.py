@@ -8,17 +8,19 @@ import torch.fx
 
 from . import gemm_epilogue
 
-# family -> pass(gm, graph_report) ; order matters: larger patterns first once there are several.
-PASSES: dict[str, Callable[[torch.fx.GraphModule, object], None]] = {
+# family -> pass(gm, graph_report, training); order matters: larger patterns first once there are several.
+PASSES: dict[str, Callable[[torch.fx.GraphModule, object, bool], None]] = {
     "gemm_epilogue": gemm_epilogue.run,
 }
 FAMILIES_WITH_PASSES: tuple[str, ...] = tuple(PASSES)
 
 
-def run_passes(gm: torch.fx.GraphModule, patterns, graph_report) -> torch.fx.GraphModule:
+def run_passes(gm: torch.fx.GraphModule, patterns, graph_report, training: bool = False) -> torch.fx.GraphModule:
+    """training: some graph input requires grad under grad mode (the pre-dispatch graph's fake
+    values do not carry requires_grad, so the backend decides this from the real inputs)."""
     for family, fn in PASSES.items():
         if family in patterns:
-            fn(gm, graph_report)
+            fn(gm, graph_report, training)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from torch_xaccel.epilogue_ir import Epilogue
+from torch_xaccel.epilogue_ir import Epilogue, read_by_vjp
 from torch_xaccel.report import Fallback, GraphReport, Replacement
 
 from .graph_utils import is_one, location, mutated_nodes, same_shape, val
@@ -322,7 +322,8 @@ def _fake_outputs(args, n_out):
         return torch.ops.xaccel.gemm_epilogue.default(*fakes)
 
 
-def rewrite(gm: torch.fx.GraphModule, chain: Chain, mutated: set, stop_note: str, report: GraphReport) -> bool:
+def rewrite(gm: torch.fx.GraphModule, chain: Chain, mutated: set, stop_note: str, report: GraphReport,
+            training: bool) -> bool:
     """Replace the chain's FX nodes with one xaccel op; False (and a fallback entry) if unsafe."""
     graph = gm.graph
     first = chain.gemms[0].node
@@ -342,12 +343,17 @@ def rewrite(gm: torch.fx.GraphModule, chain: Chain, mutated: set, stop_note: str
         report.fallbacks.append(Fallback(FAMILY, "an operand is computed after a use of an intermediate", where))
         return False
     ep = chain.epilogue(outputs)
+    if training:
+        # emit the values the backward reads (e.g. the pre-activation), as eager would save them,
+        # so the backward recomputes neither a GEMM nor the chain
+        extra = tuple(sorted(i for i in read_by_vjp(ep) if i not in ep.outputs))
+        ep = Epilogue(ep.nodes, ep.outputs + extra)
     args = (chain.gemms[0].a, [g.b for g in chain.gemms], list(chain.operands), ep.to_json(), chain.gemms[0].b_transposed)
     with graph.inserting_after(anchor):
         fused = graph.call_function(torch.ops.xaccel.gemm_epilogue.default, args)
     if first.meta.get("stack_trace"):
         fused.meta["stack_trace"] = first.meta["stack_trace"]
-    fakes = _fake_outputs(args, len(outputs))
+    fakes = _fake_outputs(args, len(ep.outputs))
     fused.meta["val"] = fakes
     prev = fused
     for i, (n, fake) in enumerate(zip(outputs, fakes)):
@@ -370,7 +376,8 @@ def rewrite(gm: torch.fx.GraphModule, chain: Chain, mutated: set, stop_note: str
     return True
 
 
-def run(gm: torch.fx.GraphModule, report: GraphReport) -> None:
+def run(gm: torch.fx.GraphModule, report: GraphReport, training: bool) -> None:
+    """training: gradients will flow (the forward then also emits what the backward reads)."""
     graph = gm.graph
     mutated = mutated_nodes(graph)
     gone: set = set()
@@ -383,7 +390,7 @@ def run(gm: torch.fx.GraphModule, report: GraphReport) -> None:
             chain = dual_chain(m)
             if chain is not None:
                 note = extend(chain, chain.nodes[-1], mutated)
-                if rewrite(gm, chain, mutated, note, report):
+                if rewrite(gm, chain, mutated, note, report, training):
                     gone.update(chain.nodes)
     for node in list(graph.nodes):
         if not alive(node):
@@ -405,5 +412,5 @@ def run(gm: torch.fx.GraphModule, report: GraphReport) -> None:
             report.fallbacks.append(Fallback(FAMILY, f"{what} alone: nothing to fuse, stays on ATen"
                                              + (f" ({note})" if note else ""), location(node)))
             continue
-        if rewrite(gm, chain, mutated, note, report):
+        if rewrite(gm, chain, mutated, note, report, training):
             gone.update(chain.nodes)

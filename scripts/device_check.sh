@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# One device call: install (no network there), the whole test suite (CPU + gpu-marked) and the demo on CUDA.
+# One device call: install (no network there), the whole test suite (CPU + gpu-marked), the demo on
+# CUDA, then the benchmark suite given as arguments (e.g. `gemm --no-max-autotune`). Logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 XACCEL_CACHE_DIR=${XACCEL_CACHE_DIR:-/tmp/xaccel-cache}
 python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || { echo "pip install failed:"; tail -25 "$OUT/pip.log"; }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.log"
-python3 -m torch_xaccel.demo 2>&1 | tee "$OUT/demo.log" | tail -20
-python3 -m pytest -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -40
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  python3 -m torch_xaccel.demo 2>&1 | tee "$OUT/demo.log" | tail -4
+  # PYTEST_ARGS narrows the run (e.g. "-m gpu"); default: the whole suite, CPU tests included
+  python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | grep -E "passed|failed|FAILED|Error" | tail -15
+fi
+if [ $# -gt 0 ]; then
+  python3 -m torch_xaccel.bench "$@" --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^  " | tail -30
+fi

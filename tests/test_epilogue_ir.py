@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from torch_xaccel.epilogue_ir import BINARY, UNARY, Epilogue, evaluate, vjp
+from torch_xaccel.epilogue_ir import BINARY, UNARY, Epilogue, evaluate, needed_by_vjp, vjp
 
 
 def random_chain(rng: random.Random, n_ops: int) -> Epilogue:
@@ -73,7 +73,7 @@ def test_vjp_matches_autograd_float64(seed):
     cot = [torch.randn(M, N, dtype=torch.float64) for _ in outs]
     want = torch.autograd.grad(sum((o * c).sum() for o, c in zip(outs, cot)), [acc, *ops], allow_unused=True)
     with torch.no_grad():
-        acc_g, op_g = vjp(ep, evaluate(ep, [acc], ops, dtype=torch.float64), cot)
+        acc_g, op_g = vjp(ep, evaluate(ep, [acc], ops, dtype=torch.float64, only=needed_by_vjp(ep)), cot, torch.float64)
     got = [acc_g.get(0)] + [op_g[j].sum_to_size(t.shape) if j in op_g else None for j, t in enumerate(ops)]
     for g, w in zip(got, want):
         if w is None:

@@ -13,7 +13,7 @@ def fn(x, w):
 
 
 def test_exception_in_a_pass_falls_back_with_one_warning(monkeypatch):
-    def broken(gm, report):
+    def broken(gm, report, training):
         raise RuntimeError("planted failure")
 
     monkeypatch.setitem(lowering.PASSES, "gemm_epilogue", broken)

@@ -45,7 +45,9 @@ def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **_options):
         from .lowering import run_passes
         from .lowering.normalize import to_aten
 
-        lowered = run_passes(to_aten(gm, example_inputs), cfg.patterns, report)
+        training = torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+        lowered = run_passes(to_aten(gm, example_inputs), cfg.patterns, report, training)
         if not report.replacements:
             # nothing of ours in the graph: hand the original to the fallback untouched
             return gm.forward if cfg.fallback == "eager" else _compile_rest(gm, example_inputs, cfg.fallback)

@@ -99,14 +99,57 @@ _UNARY_FN = {
 _BINARY_FN = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
 
 
+def read_by_vjp(ep: Epilogue) -> set[int]:
+    """Tensor nodes whose values the reverse pass reads directly (inputs of gelu/silu, outputs of
+    relu/sigmoid/tanh, factors of mul/div). Training saves these from the forward."""
+    need: set[int] = set()
+    for i, n in enumerate(ep.nodes):
+        if n["op"] in ("gelu", "gelu_tanh", "silu"):
+            need.add(n["in"][0])
+        elif n["op"] in ("relu", "sigmoid", "tanh"):
+            need.add(i)
+        elif n["op"] in ("mul", "div"):
+            need.update(n["in"])
+    return {i for i in need if ep.nodes[i]["op"] not in ("load", "const")}
+
+
+def needed_by_vjp(ep: Epilogue, have: set[int] = frozenset()) -> set[int]:
+    """Nodes the reverse pass must evaluate: what it reads (operands and constants included) and
+    everything those are computed from, except values already at hand (`have`)."""
+    need: set[int] = set()
+    for i, n in enumerate(ep.nodes):
+        if n["op"] in ("gelu", "gelu_tanh", "silu"):
+            need.add(n["in"][0])
+        elif n["op"] in ("relu", "sigmoid", "tanh"):
+            need.add(i)
+        elif n["op"] in ("mul", "div"):
+            need.update(n["in"])
+    need -= set(have)
+    todo = list(need)
+    while todo:
+        n = ep.nodes[todo.pop()]
+        for j in n.get("in", ()):
+            if j not in need and j not in have:
+                need.add(j)
+                todo.append(j)
+    return need
+
+
 def evaluate(ep: Epilogue, accs: Sequence[torch.Tensor], operands: Sequence[torch.Tensor],
-             dtype: torch.dtype = torch.float32) -> list:
-    """Value of every node, computed in `dtype` (fp32 is the op's semantics; tests use float64).
-    Constants stay Python numbers."""
+             dtype: torch.dtype = torch.float32, only: set[int] | None = None,
+             preset: dict[int, torch.Tensor] | None = None) -> list:
+    """Value of every node (or of the nodes in `only` and `preset`; others are None), computed in
+    `dtype` (fp32 is the op's semantics; tests use float64). `preset` supplies values already
+    known (saved by the forward). Constants stay Python numbers."""
     vals: list = []
-    for n in ep.nodes:
+    preset = preset or {}
+    for i, n in enumerate(ep.nodes):
         op = n["op"]
-        if op == "acc":
+        if i in preset:
+            vals.append(preset[i].to(dtype))
+        elif only is not None and i not in only:
+            vals.append(None)
+        elif op == "acc":
             vals.append(accs[n["index"]].to(dtype))
         elif op == "load":
             vals.append(operands[n["operand"]].to(dtype))
@@ -133,9 +176,9 @@ def _unary_grad(op: str, g, x, y):
     return aten.tanh_backward(g, y)
 
 
-def vjp(ep: Epilogue, vals: list, out_grads: Sequence[torch.Tensor | None]):
-    """Reverse pass over the node list: gradients of the accumulators and of the operands, in the
-    dtype `vals` were evaluated in.
+def vjp(ep: Epilogue, vals: list, out_grads: Sequence[torch.Tensor | None], dtype: torch.dtype):
+    """Reverse pass over the node list: gradients of the accumulators and of the operands, in
+    `dtype` (the dtype `vals` were evaluated in; only needed_by_vjp(ep) must be present).
 
     Uses ATen's own backward formulas, so the result matches eager autograd on the same chain.
     """
@@ -147,7 +190,7 @@ def vjp(ep: Epilogue, vals: list, out_grads: Sequence[torch.Tensor | None]):
 
     for o, g in zip(ep.outputs, out_grads):
         if g is not None:
-            push(o, g.to(vals[o].dtype) if isinstance(vals[o], torch.Tensor) else g)
+            push(o, g.to(dtype))
     acc_grads: dict[int, torch.Tensor] = {}
     op_grads: dict[int, torch.Tensor] = {}
     for i in range(len(ep.nodes) - 1, -1, -1):

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import runtime
-from ..epilogue_ir import Epilogue, evaluate, parse, vjp
+from ..epilogue_ir import evaluate, needed_by_vjp, parse, read_by_vjp, vjp
 
 OP_NAME = "gemm_epilogue"
 
@@ -51,12 +51,22 @@ def _fake(a, bs, operands, epilogue, b_transposed):
     return [a.new_empty(shape) for _ in range(n_out)]
 
 
-def backward_reference(grads, a, bs, operands, epilogue, b_transposed):
-    """Gradients of (a, bs, operands): recompute the accumulators, run the chain's vjp, then the
-    GEMM transposes. Broadcast operands and broadcast batch dims are summed back to their shapes."""
+def backward_reference(grads, a, bs, operands, epilogue, b_transposed, saved=None):
+    """Gradients of (a, bs, operands). Values the chain's reverse pass reads come from the
+    forward's outputs when the lowering had it emit them (`saved`: node id -> tensor); whatever
+    is missing is recomputed (the GEMMs only if an accumulator is needed). The reverse pass runs
+    in the input dtype, as eager's does; then the GEMM transposes. Broadcast operands and batch
+    dims are summed back to their shapes."""
     ep = parse(epilogue)
-    accs = [torch.matmul(a, _b_kn(b, b_transposed)) for b in bs]
-    acc_grads, op_grads = vjp(ep, evaluate(ep, accs, operands), grads)
+    saved = saved or {}
+    need = needed_by_vjp(ep, set(saved))
+    if any(ep.nodes[i]["op"] == "acc" for i in need):
+        accs = [torch.matmul(a, _b_kn(b, b_transposed)) for b in bs]
+    else:
+        accs = [None] * len(bs)
+    dtype = a.dtype if a.dtype in (torch.float16, torch.bfloat16) else torch.float32
+    vals = evaluate(ep, accs, operands, dtype=dtype, only=need, preset=saved)
+    acc_grads, op_grads = vjp(ep, vals, grads, dtype)
     da = None
     dbs = []
     for k, b in enumerate(bs):
@@ -80,18 +90,44 @@ def backward_reference(grads, a, bs, operands, epilogue, b_transposed):
     return da, dbs, dops
 
 
+def _saved_positions(epilogue: str) -> dict[int, int]:
+    """node id -> output position, for the outputs whose values the reverse pass reads."""
+    ep = parse(epilogue)
+    reads = read_by_vjp(ep)
+    return {o: k for k, o in enumerate(ep.outputs) if o in reads}
+
+
 def _setup_context(ctx, inputs, output):
     a, bs, operands, epilogue, b_transposed = inputs
-    ctx.save_for_backward(a, *bs, *operands)
-    ctx.n_b = len(bs)
+    pos = _saved_positions(epilogue)
+    ctx.save_for_backward(a, *bs, *operands, *(output[k] for k in pos.values()))
+    ctx.saved_nodes = list(pos)
+    ctx.set_materialize_grads(False)  # outputs the graph never reads (saved values) get None, not zeros
+    ctx.n_b, ctx.n_ops = len(bs), len(operands)
     ctx.epilogue, ctx.b_transposed = epilogue, b_transposed
 
 
 def _backward(ctx, grads):
-    saved = ctx.saved_tensors
-    a, bs, operands = saved[0], list(saved[1:1 + ctx.n_b]), list(saved[1 + ctx.n_b:])
-    da, dbs, dops = backward_reference(list(grads), a, bs, operands, ctx.epilogue, ctx.b_transposed)
+    t = ctx.saved_tensors
+    nb, no = ctx.n_b, ctx.n_ops
+    a, bs, operands, kept = t[0], list(t[1:1 + nb]), list(t[1 + nb:1 + nb + no]), t[1 + nb + no:]
+    da, dbs, dops = backward_reference(list(grads), a, bs, operands, ctx.epilogue, ctx.b_transposed,
+                                       dict(zip(ctx.saved_nodes, kept)))
     return da, dbs, dops, None, None
 
 
 gemm_epilogue.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _triton_kernels(key, a, *args):
+    """Generated Triton kernels (codegen/triton_gemm.py) on CUDA, or anywhere Triton interprets."""
+    import os
+
+    if a.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return NotImplemented
+    from ..codegen import triton_gemm
+
+    return triton_gemm.provider(key, a, *args)
+
+
+runtime.register_provider(OP_NAME, _triton_kernels)

@@ -1,0 +1,72 @@
+"""Tuning aid (GPU): time every tile configuration of the generated GEMM + epilogue kernel for one
+shape against cuBLAS alone and the ATen composition, and profile a training step's kernels.
+
+    python benchmarks/gemm_probe.py configs M K N      # e.g. 16384 4096 16384, or 128 4096 16384
+    python benchmarks/gemm_probe.py train              # top CUDA kernels of xaccel vs eager, 4-layer MLP
+"""
+import sys
+
+import torch
+import triton.testing
+
+from torch_xaccel.codegen import triton_gemm
+from torch_xaccel.epilogue_ir import Epilogue
+from torch_xaccel.ops.gemm_epilogue import reference
+
+GELU_RES = Epilogue(({"op": "acc", "index": 0}, {"op": "load", "operand": 0, "bcast": "row"}, {"op": "add", "in": [0, 1]},
+                     {"op": "gelu_tanh", "in": [2]}, {"op": "load", "operand": 1, "bcast": "full"},
+                     {"op": "add", "in": [3, 4]}), (5,)).to_json()
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def configs(M, K, N):
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+    ops = [torch.randn(N, device="cuda", dtype=torch.bfloat16), torch.randn(M, N, device="cuda", dtype=torch.bfloat16)]
+    flop = 2 * M * N * K
+    print(f"M{M} K{K} N{N}: cuBLAS alone {bench(lambda: x @ w.t()):.4f} ms, "
+          f"ATen composition {bench(lambda: reference(x, [w], ops, GELU_RES, True)):.4f} ms", flush=True)
+    case = triton_gemm._Case(x, [w], ops, GELU_RES, True)
+    outs = case.new_outputs()
+    cands = triton_gemm.LARGE + triton_gemm.SMALL_M if M > 256 else triton_gemm.SMALL_M + triton_gemm.LARGE[:4]
+    for cfg in cands:
+        if not case.usable(cfg):
+            continue
+        try:
+            ms = bench(lambda: case.launch(cfg, outs))
+            print(f"  {cfg}: {ms:.4f} ms  {flop / ms / 1e9:.0f} TFLOP/s", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"  {cfg}: FAILED {type(e).__name__}: {str(e)[:120]}", flush=True)
+
+
+def train():
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    from torch_xaccel.bench import mlp_train
+
+    case = mlp_train(16384)
+    f, args, _, step = case.make()
+    which = sys.argv[2:] or ["eager", "xaccel"]
+    for name, fn in [("eager", f), ("xaccel", torch.compile(f, backend="xaccel"))]:
+        if name not in which:
+            continue
+        run = step(fn)
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        print(f"{name}: {bench(run):.3f} ms per step")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "configs":
+        configs(*map(int, sys.argv[2:5]))
+    else:
+        train()

@@ -1,0 +1,80 @@
+"""Render Triton sources from jinja2 templates. The epilogue IR becomes straight-line fp32 code
+applied to the accumulator tile before the single store."""
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+import jinja2
+
+from torch_xaccel.epilogue_ir import Epilogue
+
+TEMPLATES = Path(__file__).parent / "templates"
+_ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), trim_blocks=True,
+                          lstrip_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined)
+
+_UNARY = {
+    "relu": "tl.maximum({x}, 0.0)",
+    "gelu": "0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476))",
+    "gelu_tanh": "0.5 * {x} * (1.0 + _tanh(0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x})))",
+    "silu": "{x} * tl.sigmoid({x})",
+    "sigmoid": "tl.sigmoid({x})",
+    "tanh": "_tanh({x})",
+}
+_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+_LOAD = {
+    "full": "tl.load(op{j}_ptr + offs_m[:, None] * op{j}_sm + offs_n[None, :] * op{j}_sn, mask=mask, other=0.0).to(tl.float32)",
+    "row": "tl.load(op{j}_ptr + offs_n * op{j}_sn, mask=mask_n, other=0.0).to(tl.float32)[None, :]",
+    "col": "tl.load(op{j}_ptr + offs_m * op{j}_sm, mask=mask_m, other=0.0).to(tl.float32)[:, None]",
+    "scalar": "tl.load(op{j}_ptr).to(tl.float32)",
+}
+
+
+def epilogue_lines(ep: Epilogue) -> list[str]:
+    """One assignment per IR node: v<i> = ...; repeated loads of one operand are read once."""
+    lines, loaded = [], {}
+    for i, n in enumerate(ep.nodes):
+        op = n["op"]
+        if op == "acc":
+            expr = f"acc{n['index']}"
+        elif op == "const":
+            expr = repr(float(n["value"]))
+        elif op == "load":
+            key = (n["operand"], n["bcast"])
+            expr = loaded.get(key) or _LOAD[n["bcast"]].format(j=n["operand"])
+            loaded.setdefault(key, f"v{i}")
+        elif op in _UNARY:
+            expr = _UNARY[op].format(x=f"v{n['in'][0]}")
+        else:
+            x, y = n["in"]
+            expr = f"v{x} {_BINARY[op]} v{y}"
+        lines.append(f"v{i} = {expr}")
+    return lines
+
+
+VARIANTS = {"ptr": "gemm_epilogue.py.jinja", "tma": "gemm_epilogue_tma.py.jinja"}
+
+
+def render_gemm_epilogue(ep: Epilogue, n_operands: int, input_precision: str, variant: str = "ptr",
+                         b_transposed: bool = True) -> tuple[str, str]:
+    """(kernel name, Python source). variant "ptr": one tile per program, pointer loads (any
+    strides, runs in Triton's interpreter); "tma": persistent, tensor-descriptor loads (Hopper).
+    The name carries a hash of everything that shapes the source."""
+    digest = hashlib.sha256(f"{ep.to_json()}|{n_operands}|{input_precision}|{variant}|{b_transposed}".encode()).hexdigest()[:12]
+    name = f"gemm_epilogue_{ep.num_accs}x_{variant}_{digest}"
+    src = _ENV.get_template(VARIANTS[variant]).render(
+        kernel_name=name, n_gemms=ep.num_accs, n_operands=n_operands, n_outputs=len(ep.outputs),
+        description=ep.describe(), epilogue_json=ep.to_json(), epilogue_lines=epilogue_lines(ep),
+        outputs=[(k, f"v{o}") for k, o in enumerate(ep.outputs)], input_precision=input_precision,
+        b_transposed=b_transposed)
+    return name, src
+
+
+@functools.lru_cache(maxsize=None)
+def template_digest() -> str:
+    """Changes whenever any template changes: part of every cache key."""
+    h = hashlib.sha256()
+    for p in sorted(TEMPLATES.glob("*.jinja")):
+        h.update(p.read_bytes())
+    return h.hexdigest()[:12]

@@ -1,0 +1,242 @@
+"""Generated Triton kernels for xaccel::gemm_epilogue: render, build, tune, launch.
+
+For each op signature, dtype and shape class the fastest of the tile configurations below and the
+ATen composition (cuBLAS + eager chain) is picked by timing once; the choice is stored on disk
+keyed by GPU, torch, Triton and template versions. Returns NotImplemented for cases the kernel
+does not cover (batched B, empty tensors, other devices), so the runtime runs the reference.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+from torch_xaccel.epilogue_ir import parse
+
+from . import cache
+from .render import render_gemm_epilogue, template_digest
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# (variant, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, flatten, warp_specialize)
+#   ptr: one tile per program, pointer loads;  tma: persistent, tensor-descriptor loads (Hopper)
+#   warp_specialize=1 hung the GPU on Triton 3.6 (H200, 128x256x64, 8 warps): keep it out of the lists
+LARGE = [("tma", 128, 256, 64, 8, 8, 3, 1, 0), ("tma", 128, 256, 64, 8, 8, 4, 0, 0), ("tma", 128, 256, 64, 8, 8, 3, 0, 0),
+         ("tma", 256, 128, 64, 8, 8, 3, 1, 0), ("tma", 128, 128, 64, 8, 8, 4, 1, 0), ("tma", 128, 128, 64, 8, 4, 4, 1, 0),
+         ("ptr", 128, 256, 64, 8, 8, 3, 0, 0), ("ptr", 128, 128, 64, 8, 4, 4, 0, 0)]
+SMALL_M = [("ptr", 128, 64, 128, 8, 4, 4, 0, 0), ("ptr", 128, 32, 128, 8, 4, 5, 0, 0), ("ptr", 128, 64, 64, 8, 4, 6, 0, 0),
+           ("ptr", 64, 64, 128, 8, 4, 4, 0, 0), ("ptr", 64, 128, 64, 8, 4, 4, 0, 0), ("ptr", 32, 64, 128, 8, 4, 4, 0, 0),
+           ("ptr", 64, 32, 256, 8, 4, 3, 0, 0), ("tma", 128, 64, 128, 8, 4, 4, 0, 0), ("tma", 128, 32, 128, 8, 4, 6, 0, 0),
+           ("tma", 64, 64, 128, 8, 4, 5, 0, 0)]
+DUAL = [("tma", 128, 128, 64, 8, 8, 3, 1, 0), ("tma", 128, 128, 64, 8, 8, 4, 0, 0), ("tma", 128, 128, 64, 8, 8, 3, 0, 0),
+        ("tma", 256, 128, 64, 8, 8, 3, 1, 0),
+        ("ptr", 128, 128, 64, 8, 8, 3, 0, 0), ("ptr", 128, 64, 64, 8, 4, 4, 0, 0)]
+FP32 = [("ptr", 128, 128, 32, 8, 8, 3, 0, 0), ("ptr", 64, 128, 32, 8, 4, 4, 0, 0), ("ptr", 64, 64, 32, 8, 4, 4, 0, 0)]
+INTERPRETER = ("ptr", 32, 32, 32, 4, 4, 1, 0, 0)
+
+
+def candidates(m: int, n_gemms: int, dtype: torch.dtype) -> list[tuple]:
+    if dtype == torch.float32:
+        return FP32
+    if m <= 256:
+        return SMALL_M
+    return DUAL if n_gemms > 1 else LARGE
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_KERNELS: dict = {}
+
+
+def _kernel(epilogue: str, n_operands: int, precision: str, variant: str, b_transposed: bool):
+    """(name, Triton kernel) for an epilogue, rendered and imported once per process and mode."""
+    key = (epilogue, n_operands, precision, variant, b_transposed, _interpreting())
+    if key not in _KERNELS:
+        name, src = render_gemm_epilogue(parse(epilogue), n_operands, precision, variant, b_transposed)
+        _KERNELS[key] = name, getattr(cache.load_source(name, src), name)
+    return _KERNELS[key]
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    return (t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+            and t.shape[0] > 0 and t.shape[1] > 0)
+
+
+class _Case:
+    """Everything a launch needs, prepared once per call."""
+
+    def __init__(self, a, bs, operands, epilogue, b_transposed):
+        self.ep = parse(epilogue)
+        K = a.shape[-1]
+        self.M, self.K = a.numel() // K, K
+        self.N = bs[0].shape[0] if b_transposed else bs[0].shape[1]
+        self.a2 = a.reshape(self.M, K)
+        if len({b.stride() for b in bs}) > 1:
+            bs = [b.contiguous() for b in bs]
+        s0, s1 = bs[0].stride()
+        self.b_strides = (s1, s0) if b_transposed else (s0, s1)
+        self.bs = bs
+        self.out_shape = (*a.shape[:-1], self.N)
+        bcast = {n["operand"]: n["bcast"] for n in self.ep.nodes if n["op"] == "load"}
+        self.ops, self.op_strides = [], []
+        for j, t in enumerate(operands):
+            kind = bcast.get(j)  # None: an operand the epilogue never reads
+            if kind is None:
+                t2, strides = t, (0, 0)
+            elif kind == "full":
+                t2 = t.reshape(self.M, self.N)
+                strides = t2.stride()
+            elif kind == "row":
+                t2 = t.reshape(self.N)
+                strides = (0, t2.stride(0))
+            elif kind == "col":
+                t2 = t.reshape(self.M)
+                strides = (t2.stride(0), 0)
+            else:
+                t2 = t.reshape(1)
+                strides = (0, 0)
+            self.ops.append(t2)
+            self.op_strides += list(strides)
+        if a.dtype == torch.float32:
+            tf32 = torch.backends.cuda.matmul.allow_tf32 and not _interpreting()
+            self.precision = "tf32" if tf32 else "ieee"
+        else:
+            self.precision = "ieee"
+        self.epilogue, self.b_transposed = epilogue, b_transposed
+        self.tma = (self.a2.device.type == "cuda" and not _interpreting()
+                    and all(_tma_ok(t) for t in (self.a2, *self.bs)))
+        self.dtype, self.device = a.dtype, a.device
+
+    def new_outputs(self):
+        return [torch.empty((self.M, self.N), dtype=self.dtype, device=self.device) for _ in self.ep.outputs]
+
+    def usable(self, cfg) -> bool:
+        return cfg[0] == "ptr" or self.tma
+
+    def launch(self, cfg, outs) -> None:
+        variant, bm, bn, bk, gm, warps, stages, flatten, ws = cfg
+        _, kernel = _kernel(self.epilogue, len(self.ops), self.precision, variant, self.b_transposed)
+        tiles = triton_cdiv(self.M, bm) * triton_cdiv(self.N, bn)
+        meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages)
+        if variant == "ptr":
+            kernel[(tiles,)](self.a2, *self.bs, *self.ops, *outs, self.M, self.N, self.K,
+                             self.a2.stride(0), self.a2.stride(1), *self.b_strides, *self.op_strides, self.N, 1, **meta)
+            return
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        n_sms = _num_sms(self.device)
+        a_desc = TensorDescriptor(self.a2, list(self.a2.shape), list(self.a2.stride()), [bm, bk])
+        b_block = [bn, bk] if self.b_transposed else [bk, bn]
+        b_descs = [TensorDescriptor(b, list(b.shape), list(b.stride()), b_block) for b in self.bs]
+        kernel[(min(n_sms, tiles),)](a_desc, *b_descs, *self.ops, *outs, self.M, self.N, self.K, *self.op_strides,
+                                     self.N, 1, NUM_SMS=n_sms, FLATTEN=bool(flatten), WARP_SPECIALIZE=bool(ws), **meta)
+
+    @property
+    def kernel_name(self) -> str:
+        return _kernel(self.epilogue, len(self.ops), self.precision, "ptr", self.b_transposed)[0]
+
+    def tuning_key(self) -> str:
+        import triton
+
+        m_class = max(16, 1 << (self.M - 1).bit_length())
+        gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        ops = ",".join(f"{tuple(t.shape)}" for t in self.ops)
+        return (f"gemm_epilogue|{self.kernel_name}|{self.dtype}|M~{m_class}|N{self.N}|K{self.K}|b{self.b_strides}|"
+                f"ops{ops}|{gpu}|torch{torch.__version__}|triton{triton.__version__}|tpl{template_digest()}")
+
+
+_SMS: dict = {}
+
+
+def _num_sms(device) -> int:
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _Progress:
+    """A one-line progress bar on stderr, shown only once tuning has taken over two seconds."""
+
+    def __init__(self, label: str, total: int):
+        self.label, self.total, self.t0, self.shown = label, total, time.perf_counter(), False
+
+    def step(self, done: int) -> None:
+        if time.perf_counter() - self.t0 < 2.0 and not self.shown:
+            return
+        self.shown = True
+        bar = "#" * int(20 * done / self.total)
+        sys.stderr.write(f"\r[xaccel] tuning {self.label} [{bar:<20}] {done}/{self.total}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write(f"  {time.perf_counter() - self.t0:.1f}s\n")
+
+
+def _tune(case: _Case, reference_fn, cands) -> tuple | None:
+    """Time every config and the ATen composition; None means ATen won."""
+    import triton.testing
+
+    progress = _Progress(f"{case.kernel_name} M{case.M} N{case.N} K{case.K}", len(cands) + 1)
+    outs = case.new_outputs()
+    best, best_ms = None, triton.testing.do_bench(reference_fn, warmup=5, rep=20, return_mode="median")
+    progress.step(1)
+    for i, cfg in enumerate(cands):
+        try:
+            ms = triton.testing.do_bench(lambda: case.launch(cfg, outs), warmup=5, rep=20, return_mode="median")
+        except Exception:  # noqa: BLE001 - a config that does not build or fit is simply not a candidate
+            ms = float("inf")
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+        progress.step(i + 2)
+    progress.close()
+    return best
+
+
+def choose(case: _Case, reference_fn) -> tuple | None:
+    if _interpreting():
+        return INTERPRETER
+    cands = [c for c in candidates(case.M, case.ep.num_accs, case.dtype) if case.usable(c)]
+    key = case.tuning_key()
+    valid = lambda v: v is None or (isinstance(v, list) and tuple(v) in cands)  # noqa: E731 - unknown config: retune
+    entry = cache.read_entry("tuning", key)
+    if entry is not None and valid(entry.get("config") if isinstance(entry, dict) else "bad"):
+        cfg = entry["config"]
+        return tuple(cfg) if cfg else None
+    with cache.locked(cache.key_name(key)):
+        entry = cache.read_entry("tuning", key)  # another process may have tuned meanwhile
+        if isinstance(entry, dict) and valid(entry.get("config", "bad")):
+            cfg = entry["config"]
+            return tuple(cfg) if cfg else None
+        best = _tune(case, reference_fn, cands)
+        cache.write_entry("tuning", key, {"config": list(best) if best else None})
+        return best
+
+
+_DECISIONS: dict = {}
+
+
+def provider(key, a, bs, operands, epilogue, b_transposed):
+    if a.dtype not in DTYPES or any(b.dim() != 2 for b in bs) or a.numel() == 0 or bs[0].numel() == 0:
+        return NotImplemented
+    from torch_xaccel.ops.gemm_epilogue import reference
+
+    cfg = _DECISIONS.get(key, "unset")
+    if cfg is None:
+        return NotImplemented  # ATen measured faster for this shape class
+    case = _Case(a, bs, operands, epilogue, b_transposed)
+    if cfg == "unset":
+        cfg = choose(case, lambda: reference(a, bs, operands, epilogue, b_transposed))
+        _DECISIONS[key] = cfg
+    if cfg is None:
+        return NotImplemented  # ATen measured faster for this shape class
+    outs = case.new_outputs()
+    case.launch(cfg, outs)
+    return [o.view(case.out_shape) for o in outs]

@@ -1,0 +1,97 @@
+"""CUDA: every tile configuration of the generated Triton GEMM + epilogue kernels against the
+fp32 reference (bf16 and fp16), and tuning decisions that survive a corrupt cache."""
+import pytest
+import torch
+
+from tests.helpers import rel_err
+from torch_xaccel.epilogue_ir import Epilogue
+from torch_xaccel.ops.gemm_epilogue import reference
+
+pytestmark = pytest.mark.gpu
+
+GELU_RES = Epilogue(({"op": "acc", "index": 0}, {"op": "load", "operand": 0, "bcast": "row"}, {"op": "add", "in": [0, 1]},
+                     {"op": "gelu_tanh", "in": [2]}, {"op": "load", "operand": 1, "bcast": "full"},
+                     {"op": "add", "in": [3, 4]}), (5, 2)).to_json()
+SWIGLU = Epilogue(({"op": "acc", "index": 0}, {"op": "acc", "index": 1}, {"op": "silu", "in": [0]},
+                   {"op": "mul", "in": [2, 1]}), (3,)).to_json()
+
+
+def _inputs(M, K, N, dtype, n_b, transposed=True):
+    a = torch.randn(M, K, device="cuda", dtype=dtype)
+    bs = [(torch.randn(N, K, device="cuda", dtype=dtype) if transposed else torch.randn(K, N, device="cuda", dtype=dtype)) / K ** 0.5
+          for _ in range(n_b)]
+    return a, bs
+
+
+def _check(case, cfg, a, bs, ops, text, transposed):
+    if not case.usable(cfg):  # e.g. TMA with strides that are not 16-byte multiples
+        return
+    outs = case.new_outputs()
+    for o in outs:
+        o.fill_(float("nan"))  # every element must be written
+    case.launch(cfg, outs)
+    want = reference(a.double(), [b.double() for b in bs], [o.double() for o in ops], text, transposed)
+    for o, w in zip(outs, want):
+        assert not o.isnan().any()
+        assert rel_err(o.view(w.shape), w) <= 1e-2, cfg
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [1000, 96])  # LARGE and SMALL_M configuration lists, ragged edges
+def test_every_config_single_gemm(dtype, M):
+    from torch_xaccel.codegen import triton_gemm
+
+    torch.manual_seed(M)
+    K, N = 520, 777
+    a, bs = _inputs(M, K, N, dtype, 1)
+    ops = [torch.randn(N, device="cuda", dtype=dtype), torch.randn(M, N, device="cuda", dtype=dtype)]
+    case = triton_gemm._Case(a, bs, ops, GELU_RES, True)
+    for cfg in triton_gemm.candidates(M, 1, dtype):
+        _check(case, cfg, a, bs, ops, GELU_RES, True)
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+def test_every_config_dual_gemm_bf16(transposed):
+    from torch_xaccel.codegen import triton_gemm
+
+    torch.manual_seed(1)
+    M, K, N = 700, 384, 500
+    a, bs = _inputs(M, K, N, torch.bfloat16, 2, transposed)
+    case = triton_gemm._Case(a, bs, [], SWIGLU, transposed)
+    for cfg in triton_gemm.candidates(M, 2, torch.bfloat16):
+        _check(case, cfg, a, bs, [], SWIGLU, transposed)
+
+
+def test_fp32_uses_ieee_unless_tf32_enabled():
+    from torch_xaccel.codegen import triton_gemm
+
+    torch.manual_seed(2)
+    a, bs = _inputs(300, 256, 200, torch.float32, 1)
+    ops = [torch.randn(200, device="cuda"), torch.randn(300, 200, device="cuda")]
+    case = triton_gemm._Case(a, bs, ops, GELU_RES, True)
+    assert case.precision == ("tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee")
+    outs = case.new_outputs()
+    case.launch(triton_gemm.FP32[0], outs)
+    want = reference(a.double(), [bs[0].double()], [o.double() for o in ops], GELU_RES, True)
+    assert rel_err(outs[0], want[0]) <= (1e-3 if case.precision == "tf32" else 1e-5)
+
+
+def test_corrupt_tuning_entry_is_rebuilt(tmp_path, monkeypatch):
+    from torch_xaccel.codegen import cache, triton_gemm
+
+    monkeypatch.setenv("XACCEL_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(3)
+    a, bs = _inputs(2048, 1024, 2048, torch.bfloat16, 1)
+    ops = [torch.randn(2048, device="cuda", dtype=torch.bfloat16), torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)]
+    case = triton_gemm._Case(a, bs, ops, GELU_RES, True)
+    key = case.tuning_key()
+    path = tmp_path / "tuning" / f"{cache.key_name(key)}.json"
+    path.parent.mkdir(parents=True)
+    path.write_text('{"key": "' + key + '", "value": {"config": [999, 1, 1, 1, 1, 1]}}')  # not a known config
+    monkeypatch.setattr(triton_gemm, "_DECISIONS", {})
+    out = triton_gemm.provider("case-1", a, bs, ops, GELU_RES, True)
+    entry = cache.read_entry("tuning", key)
+    assert entry["config"] is None or tuple(entry["config"]) in triton_gemm.candidates(2048, 1, torch.bfloat16)
+    want = reference(a.double(), [bs[0].double()], [o.double() for o in ops], GELU_RES, True)
+    got = reference(a, bs, ops, GELU_RES, True) if out is NotImplemented else out
+    assert rel_err(got[0], want[0]) <= 1e-2

@@ -1,0 +1,253 @@
+"""Side-by-side timings on the GPU, every path measured in one run:
+
+    python -m torch_xaccel.bench gemm [--out DIR] [--quick] [--no-max-autotune]
+
+Prints one table (xaccel, eager, Inductor default, Inductor max-autotune, the cuBLAS matmuls
+alone) with times, TFLOP/s and ratios, checks xaccel against an fp32 reference, and writes
+DIR/bench_<suite>.md and DIR/bench_<suite>.png. Later suites (mlstm, slstm, model) plug in here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Case:
+    name: str
+    flop: float
+    make: Callable  # () -> (fn, args, cublas_only_fn)
+    train: bool = False
+    graphs: bool = False  # also time CUDA-graph replays (decode shapes: CPU launch cost hidden)
+    rows: list = field(default_factory=list)
+
+
+def _bench(fn, train: bool) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10 if train else 25, rep=50 if train else 100, return_mode="median")
+
+
+def _rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def gelu_residual(M, K=4096, N=16384):
+    def make():
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
+        W = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) / K ** 0.5
+        b = torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=g)
+        res = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, generator=g)
+
+        def f(x, W, b, res):
+            return F.gelu(F.linear(x, W, b), approximate="tanh") + res
+        return f, (x, W, b, res), lambda: x @ W.t()
+    return Case(f"gelu_tanh(linear(x,W,b))+res M{M} K{K} N{N}", 2 * M * N * K, make, graphs=M <= 256)
+
+
+def swiglu(M, d=4096, h=11008):
+    def make():
+        g = torch.Generator(device="cuda").manual_seed(0)
+        mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g) / s[-1] ** 0.5  # noqa: E731
+        x, w1, w3, w2 = mk(M, d), mk(h, d), mk(h, d), mk(d, h)
+
+        def f(x, w1, w3, w2):
+            return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+        hid = torch.empty(M, h, device="cuda", dtype=torch.bfloat16)
+
+        def cublas():
+            torch.mm(x, w1.t(), out=hid)
+            torch.mm(x, w3.t(), out=hid)
+            return hid @ w2.t()
+        return f, (x, w1, w3, w2), cublas
+    return Case(f"SwiGLU MLP fwd M{M} {d}->2x{h}->{d}", 2 * M * d * h * 3, make)
+
+
+def mlp_train(M, d=2048, h=8192, layers=4):
+    def make():
+        torch.manual_seed(0)
+        blocks = torch.nn.ModuleList()
+        for _ in range(layers):
+            blocks.append(torch.nn.Linear(d, h))
+            blocks.append(torch.nn.Linear(h, d))
+        blocks = blocks.to("cuda", torch.bfloat16)
+        x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+        def f(x):
+            for i in range(0, len(blocks), 2):
+                x = blocks[i + 1](F.gelu(blocks[i](x), approximate="tanh")) + x
+            return x
+
+        def step(fn):
+            def run():
+                for p in blocks.parameters():
+                    p.grad = None
+                fn(x).float().square().mean().backward()
+            return run
+        ws = [(blk.weight) for blk in blocks]
+        hid = torch.empty(M, h, device="cuda", dtype=torch.bfloat16)
+
+        def cublas():  # the same GEMMs, forward and backward, with no elementwise work
+            with torch.no_grad():
+                for i in range(0, len(ws), 2):
+                    torch.mm(x, ws[i].t(), out=hid)
+                    y = hid @ ws[i + 1].t()
+                    _ = y @ ws[i + 1], y.t() @ hid, hid @ ws[i], hid.t() @ x
+        return f, (x,), cublas, step
+    return Case(f"train step {layers}-layer MLP M{M} {d}->{h}->{d} (fwd+bwd)", 3 * 2 * M * d * h * 2 * layers, make, train=True)
+
+
+SUITES = {
+    "gemm": lambda quick: ([gelu_residual(4096 if quick else 16384), gelu_residual(128), swiglu(4096 if quick else 16384),
+                            mlp_train(4096 if quick else 16384)]),
+}
+
+
+def run_case(case: Case, max_autotune: bool) -> list:
+    import torch._dynamo
+
+    made = case.make()
+    fn, args, cublas = made[:3]
+    step = made[3] if case.train else (lambda f: (lambda: f(*args)))
+    rows = []
+
+    def add(path, ms, extra=""):
+        rows.append(dict(case=case.name, path=path, ms=ms, tflops=case.flop / ms / 1e9, extra=extra))
+        print(f"  {path:28s} {ms:9.3f} ms  {case.flop / ms / 1e9:7.1f} TFLOP/s  {extra}", flush=True)
+
+    print(f"\n{case.name}", flush=True)
+    add("cuBLAS matmuls alone", _bench(cublas, case.train))
+    add("eager", _bench(step(fn), case.train))
+    paths = [("xaccel", dict(backend="xaccel")), ("inductor default", dict())]
+    if max_autotune and not case.train:
+        paths.append(("inductor max-autotune", dict(mode="max-autotune-no-cudagraphs")))
+    def graphed(fn):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn(*args)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(*args)
+        return graph.replay
+
+    if case.graphs:
+        add("eager, CUDA graph", _bench(graphed(fn), False))
+    from torch_xaccel.codegen import triton_gemm
+
+    for path, kw in paths:
+        torch._dynamo.reset()
+        before = dict(triton_gemm._DECISIONS)
+        try:
+            compiled = torch.compile(fn, **kw)
+            t0 = time.perf_counter()
+            step(compiled)()
+            torch.cuda.synchronize()
+            compile_s = time.perf_counter() - t0
+            extra = f"first call {compile_s:.1f}s"
+            if path == "xaccel" and not case.train:
+                with torch.no_grad():
+                    ref = fn(*[a.float() for a in args])
+                    extra += f", rel err vs fp32 {_rel(compiled(*args), ref):.1e}"
+            if path == "xaccel":
+                from torch_xaccel.report import last_report
+                extra += f", replaced {last_report(1).counts()['gemm_epilogue']}"
+                picked = [("ATen" if v is None else "/".join(map(str, v))) for k, v in triton_gemm._DECISIONS.items()
+                          if k not in before]
+                extra += f", kernels: {'; '.join(picked) or 'cached'}"
+            add(path, _bench(step(compiled), case.train), extra)
+            if case.graphs and path == "xaccel":
+                add("xaccel, CUDA graph", _bench(graphed(compiled), False))
+        except Exception as e:  # noqa: BLE001 - a failing path is a finding, not a crash
+            print(f"  {path:28s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+    base = rows[0]["ms"]
+    xa = next((r["ms"] for r in rows if r["path"] == "xaccel"), None)
+    for r in rows:
+        r["vs_cublas"] = r["ms"] / base
+        r["vs_xaccel"] = r["ms"] / xa if xa else None
+    return rows
+
+
+def markdown(rows, header: str) -> str:
+    out = [header, "", "| case | path | ms | TFLOP/s | x cuBLAS-alone | x xaccel | notes |", "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        vx = f"{r['vs_xaccel']:.2f}" if r["vs_xaccel"] else "-"
+        out.append(f"| {r['case']} | {r['path']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['vs_cublas']:.3f} | {vx} | {r['extra']} |")
+    return "\n".join(out) + "\n"
+
+
+def plot(rows, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    paths = list(dict.fromkeys(r["path"] for r in rows))
+    fig, ax = plt.subplots(figsize=(11, 4 + 0.4 * len(cases)))
+    width = 0.8 / len(paths)
+    for i, p in enumerate(paths):
+        ys = [next((r["vs_cublas"] for r in rows if r["case"] == c and r["path"] == p), 0) for c in cases]
+        ax.barh([j + i * width for j in range(len(cases))], ys, height=width, label=p)
+    ax.set_yticks([j + 0.4 - width / 2 for j in range(len(cases))], [c[:48] for c in cases], fontsize=8)
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_xlabel("time / cuBLAS matmuls alone (lower is better)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="torch_xaccel side-by-side benchmarks")
+    p.add_argument("suite", choices=sorted(SUITES))
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--quick", action="store_true", help="smaller shapes")
+    p.add_argument("--no-max-autotune", action="store_true")
+    p.add_argument("--only", default="", help="run only the cases whose name contains this text")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks need a CUDA GPU")
+        return 2
+    import triton
+
+    import torch_xaccel  # noqa: F401
+
+    torch._dynamo.config.cache_size_limit = 64
+    gpu = torch.cuda.get_device_name()
+    commit = os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip() or "unknown"
+    header = (f"{args.suite}: {time.strftime('%Y-%m-%d')}, {gpu}, torch {torch.__version__}, triton {triton.__version__}, "
+              f"commit {commit}; bf16, median of triton.testing.do_bench")
+    print(header)
+    rows = []
+    for case in SUITES[args.suite](args.quick):
+        if args.only not in case.name:
+            continue
+        rows += run_case(case, not args.no_max_autotune)
+        torch.cuda.empty_cache()
+    md = markdown(rows, header)
+    print("\n" + md)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"bench_{args.suite}.md"), "w") as fh:
+        fh.write(md)
+    with open(os.path.join(args.out, f"bench_{args.suite}.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+    plot(rows, os.path.join(args.out, f"bench_{args.suite}.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
