@@ -228,7 +228,8 @@ def main(argv=None) -> int:
 
     torch._dynamo.config.cache_size_limit = 64
     gpu = torch.cuda.get_device_name()
-    commit = os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip() or "unknown"
+    # the device machine gets a copy of the tree without .git: pass XACCEL_COMMIT from the checkout
+    commit = os.environ.get("XACCEL_COMMIT") or os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip() or "unknown"
     header = (f"{args.suite}: {time.strftime('%Y-%m-%d')}, {gpu}, torch {torch.__version__}, triton {triton.__version__}, "
               f"commit {commit}; bf16, median of triton.testing.do_bench")
     print(header)
