@@ -57,17 +57,20 @@ VARIANTS = {"ptr": "gemm_epilogue.py.jinja", "tma": "gemm_epilogue_tma.py.jinja"
 
 
 def render_gemm_epilogue(ep: Epilogue, n_operands: int, input_precision: str, variant: str = "ptr",
-                         b_transposed: bool = True) -> tuple[str, str]:
+                         b_transposed: bool = True, k_constexpr: bool = False) -> tuple[str, str]:
     """(kernel name, Python source). variant "ptr": one tile per program, pointer loads (any
     strides, runs in Triton's interpreter); "tma": persistent, tensor-descriptor loads (Hopper).
+    k_constexpr makes K a compile-time constant: Triton 3.6's interpreter cannot loop to a
+    run-time bound under NumPy 2 (it hands scalars over as 1-element arrays).
     The name carries a hash of everything that shapes the source."""
-    digest = hashlib.sha256(f"{ep.to_json()}|{n_operands}|{input_precision}|{variant}|{b_transposed}".encode()).hexdigest()[:12]
+    digest = hashlib.sha256(f"{ep.to_json()}|{n_operands}|{input_precision}|{variant}|{b_transposed}|{k_constexpr}"
+                            .encode()).hexdigest()[:12]
     name = f"gemm_epilogue_{ep.num_accs}x_{variant}_{digest}"
     src = _ENV.get_template(VARIANTS[variant]).render(
         kernel_name=name, n_gemms=ep.num_accs, n_operands=n_operands, n_outputs=len(ep.outputs),
         description=ep.describe(), epilogue_json=ep.to_json(), epilogue_lines=epilogue_lines(ep),
         outputs=[(k, f"v{o}") for k, o in enumerate(ep.outputs)], input_precision=input_precision,
-        b_transposed=b_transposed)
+        b_transposed=b_transposed, k_constexpr=k_constexpr)
     return name, src
 
 

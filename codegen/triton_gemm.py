@@ -55,7 +55,8 @@ def _kernel(epilogue: str, n_operands: int, precision: str, variant: str, b_tran
     """(name, Triton kernel) for an epilogue, rendered and imported once per process and mode."""
     key = (epilogue, n_operands, precision, variant, b_transposed, _interpreting())
     if key not in _KERNELS:
-        name, src = render_gemm_epilogue(parse(epilogue), n_operands, precision, variant, b_transposed)
+        name, src = render_gemm_epilogue(parse(epilogue), n_operands, precision, variant, b_transposed,
+                                         k_constexpr=_interpreting())
         _KERNELS[key] = name, getattr(cache.load_source(name, src), name)
     return _KERNELS[key]
 
