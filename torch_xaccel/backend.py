@@ -29,6 +29,12 @@ def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str):
     from torch._dynamo.backends.common import aot_autograd
 
     def run_eagerly(g, _inputs):
+        from .ops import DIRECT_CALLS
+
+        for node in g.graph.nodes:
+            if node.op == "call_function" and node.target in DIRECT_CALLS:
+                node.target = DIRECT_CALLS[node.target]
+        g.recompile()
         return make_boxed_func(g.forward)
 
     return aot_autograd(fw_compiler=run_eagerly, bw_compiler=run_eagerly)(gm, example_inputs)

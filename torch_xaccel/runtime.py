@@ -11,6 +11,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from .errors import XaccelFallbackWarning
 
 
@@ -27,8 +29,15 @@ _BROKEN: set[tuple[str, str, str]] = set()
 EVENTS: list[RuntimeFallback] = []
 
 
+def _describe(key: tuple) -> str:
+    """'cuda:torch.bfloat16:128x4096,16384x4096' for reports (the epilogue string is left out)."""
+    shapes = ",".join("x".join(map(str, k)) for k in key if isinstance(k, torch.Size))
+    return ":".join(str(k) for k in key[:2]) + ":" + shapes
+
+
 def register_provider(op: str, provider: Callable) -> None:
-    """provider(key, *args) -> result | NotImplemented; `key` names the case (device, dtype, shapes)."""
+    """provider(key, *args) -> result | NotImplemented; `key` (hashable) names the case: device,
+    dtype, shapes."""
     _PROVIDERS.setdefault(op, []).append(provider)
 
 
@@ -36,14 +45,13 @@ def unregister_provider(op: str, provider: Callable) -> None:
     _PROVIDERS.get(op, []).remove(provider)
 
 
-def dispatch(op: str, key_fn: Callable[..., str], reference: Callable, *args):
+def dispatch(op: str, key_fn: Callable[..., tuple], reference: Callable, *args):
     """Run the first provider that takes the case, else `reference(*args)`.
 
-    key_fn(*args) names the case; it is only evaluated when a provider exists (keeps the hot path
-    free of string formatting when no kernel is registered, e.g. on CPU).
+    key_fn(*args) names the case; it is only evaluated when a provider exists.
     """
     providers = _PROVIDERS.get(op, ())
-    key = key_fn(*args) if providers else ""
+    key = key_fn(*args) if providers else ()
     for provider in providers:
         name = getattr(provider, "__qualname__", repr(provider))
         if (op, name, key) in _BROKEN:
@@ -52,9 +60,9 @@ def dispatch(op: str, key_fn: Callable[..., str], reference: Callable, *args):
             out = provider(key, *args)
         except Exception as e:  # noqa: BLE001 - any kernel failure must degrade to the reference
             _BROKEN.add((op, name, key))
-            event = RuntimeFallback(op, name, key, f"{type(e).__name__}: {e}")
+            event = RuntimeFallback(op, name, _describe(key), f"{type(e).__name__}: {e}")
             EVENTS.append(event)
-            warnings.warn(f"xaccel: kernel {name} for {op} [{key}] failed ({event.reason}); "
+            warnings.warn(f"xaccel: kernel {name} for {op} [{event.key}] failed ({event.reason}); "
                           "running the ATen reference instead", XaccelFallbackWarning, stacklevel=2)
             continue
         if out is not NotImplemented:

@@ -33,15 +33,20 @@ def reference(a: Tensor, bs: list[Tensor], operands: list[Tensor], epilogue: str
     return [o.clone() if id(o) in inputs else o for o in outs]  # custom ops must not alias inputs
 
 
-def case_key(a: Tensor, bs: list[Tensor], operands: list[Tensor], epilogue: str, b_transposed: bool) -> str:
-    shapes = ",".join("x".join(map(str, t.shape)) for t in (a, *bs, *operands))
-    return f"{a.device.type}:{a.dtype}:{'nt' if b_transposed else 'nn'}:{shapes}:{epilogue}"
+def case_key(a: Tensor, bs: list[Tensor], operands: list[Tensor], epilogue: str, b_transposed: bool) -> tuple:
+    """Names one case for the runtime (a cheap tuple: it is built on every call)."""
+    return (a.device.type, a.dtype, b_transposed, a.shape, *(b.shape for b in bs), *(t.shape for t in operands), epilogue)
+
+
+def run(a: Tensor, bs: list[Tensor], operands: list[Tensor], epilogue: str, b_transposed: bool) -> list[Tensor]:
+    """The op's body: a registered kernel if one takes the case, else the reference. Compiled
+    forward graphs call this directly (see ops.DIRECT_CALLS), skipping the dispatcher."""
+    return runtime.dispatch(OP_NAME, case_key, reference, a, bs, operands, epilogue, b_transposed)
 
 
 @torch.library.custom_op("xaccel::gemm_epilogue", mutates_args=())
 def gemm_epilogue(a: Tensor, bs: list[Tensor], operands: list[Tensor], epilogue: str, b_transposed: bool) -> list[Tensor]:
-    args = (a, bs, operands, epilogue, b_transposed)
-    return runtime.dispatch(OP_NAME, case_key, reference, *args)
+    return run(a, bs, operands, epilogue, b_transposed)
 
 
 @gemm_epilogue.register_fake
