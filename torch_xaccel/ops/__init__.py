@@ -6,6 +6,7 @@ Each module defines one op: its reference (the op's only semantics, and the CPU 
 import torch
 
 from . import gemm_epilogue  # noqa: F401  (registers torch.ops.xaccel.gemm_epilogue)
+from . import mlstm, mlstm_step  # noqa: F401  (torch.ops.xaccel.mlstm, torch.ops.xaccel.mlstm_step)
 
 # op overload -> the plain function behind it. A compiled forward graph runs with autograd
 # already handled by aot_autograd, so it may call these directly and skip the custom-op

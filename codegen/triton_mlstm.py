@@ -1,0 +1,75 @@
+"""Generated Triton kernels for xaccel::mlstm (forward). Rendered per (initial state or not,
+input dtype); head dims, chunk size and the DV tile are compile-time constants of the kernel.
+
+Status: forward only, logic checked in Triton's interpreter; GPU timing and tuning are still to
+come (see the mLSTM issue). The backward runs the reference."""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+
+from . import cache
+from .render import _ENV
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+HEAD_DIMS = (16, 32, 64, 128, 256, 512)
+_KERNELS: dict = {}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def render(has_state: bool, dtype: torch.dtype, s_constexpr: bool = False) -> tuple[str, str]:
+    """s_constexpr: the sequence length as a compile-time constant, for Triton 3.6's interpreter
+    (it cannot loop to a run-time bound under NumPy 2)."""
+    tf32 = dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not _interpreting()
+    precision = "tf32" if tf32 else "ieee"
+    key = f"mlstm_fwd|{has_state}|{dtype}|{precision}|{s_constexpr}"
+    name = "mlstm_fwd_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    src = _ENV.get_template("mlstm_fwd.py.jinja").render(kernel_name=name, has_state=has_state, dot_dtype=str(dtype),
+                                                          precision=precision, s_constexpr=s_constexpr)
+    return name, src
+
+
+def _kernel(has_state: bool, dtype: torch.dtype):
+    key = (has_state, dtype, _interpreting())
+    if key not in _KERNELS:
+        name, src = render(has_state, dtype, s_constexpr=_interpreting())
+        _KERNELS[key] = getattr(cache.load_source(name, src), name)
+    return _KERNELS[key]
+
+
+def config(S: int, DK: int, DV: int) -> tuple[int, int]:
+    """(chunk length L, DV tile BV): register budget for the state tile [DK, BV] and the L x L block."""
+    L = 64 if DK <= 128 else 32
+    BV = min(DV, 64 if DK <= 128 else 32)
+    return L, BV
+
+
+def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
+    """Kernel path for xaccel::mlstm's forward, or NotImplemented for cases it does not cover.
+    chunk_size only shapes the reference's evaluation; the kernel picks its own chunk length
+    (results agree to rounding)."""
+    B, H, S, DK = q.shape
+    DV = v.shape[-1]
+    if (q.dtype not in DTYPES or DK not in HEAD_DIMS or DV not in HEAD_DIMS or S == 0
+            or not all(t.dtype == q.dtype for t in (k, v))):
+        return NotImplemented
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    i, f = (t.contiguous() for t in (i, f))
+    h = torch.empty(B, H, S, DV, dtype=q.dtype, device=q.device)
+    C = torch.empty(B, H, DK, DV, dtype=torch.float32, device=q.device)
+    n = torch.empty(B, H, DK, dtype=torch.float32, device=q.device)
+    m = torch.empty(B, H, dtype=torch.float32, device=q.device)
+    has_state = C0 is not None
+    if has_state:
+        C0, n0, m0 = (t.float().contiguous() for t in (C0, n0, m0))
+    else:
+        C0, n0, m0 = C, n, m  # unused by the kernel
+    L, BV = config(S, DK, DV)
+    _kernel(has_state, q.dtype)[(B * H, DV // BV)](q, k, v, i, f, h, C0, n0, m0, C, n, m, S, DK ** -0.5, eps,
+                                                   DK=DK, DV=DV, BV=BV, L=L)
+    return h, C, n, m

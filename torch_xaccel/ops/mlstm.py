@@ -1,0 +1,173 @@
+"""xaccel::mlstm — the matrix-memory LSTM over a sequence, with optional initial and final states.
+
+Semantics (per batch and head; k is scaled by 1/sqrt(DQK); logf = logsigmoid(f)):
+
+    Fc[t]   = logf[1] + ... + logf[t]
+    logD    = Fc[t] - Fc[s] + i[s]             for s <= t
+    m[t]    = max(Fc[t] + m0, max_s logD[t, s])
+    num[t]  = exp(Fc[t] + m0 - m[t]) q_t C0  + sum_s exp(logD[t, s] - m[t]) (q_t . k_s) v_s
+    den[t]  = exp(Fc[t] + m0 - m[t]) q_t n0  + sum_s exp(logD[t, s] - m[t]) (q_t . k_s)
+    h[t]    = num[t] / (max(|den[t]|, exp(-m[t])) + eps)
+
+Without an initial state, m0 = -inf and C0 = n0 = 0: this is exactly the stabilized parallel form.
+The recurrent step form (states start at zeros with m0 = 0) is this op with the initial state
+(0, 0, 0). The final state (C, n, m) is the recurrent state after the last step, in the same
+stabilized convention (true C = exp(m) * C). Forms differ only through m0 (eps-level effects).
+
+The reference below evaluates this chunk by chunk (chunk_size positions in parallel, a scan over
+chunks), in fp32 (float64 stays float64); it is the CPU path, the kernels' oracle and the ONNX
+body. S needs no relation to the chunk size: the tail is padded with positions that change
+nothing (logf = 0, i = -inf-like).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import runtime
+
+_NEG = -1e30  # input gate of padded positions: exp(_NEG - m) == 0 without creating inf - inf
+
+
+def _compute_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def reference(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor | None = None,
+              n0: Tensor | None = None, m0: Tensor | None = None, eps: float = 1e-6,
+              chunk_size: int = 64) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(h [B,H,S,DV] in q's dtype, C [B,H,DQK,DV], n [B,H,DQK], m [B,H]) — states in fp32/fp64."""
+    B, H, S, DK = q.shape
+    DV = v.shape[-1]
+    out_dtype, cd = q.dtype, _compute_dtype(q)
+    L = chunk_size
+    pad = (-S) % L
+    q, k, v, i, f = (t.to(cd) for t in (q, k, v, i, f))
+    k = k * DK ** -0.5
+    logf = F.logsigmoid(f)
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        logf = F.pad(logf, (0, pad))
+        i = F.pad(i, (0, pad), value=_NEG)
+    if C0 is None:
+        C = q.new_zeros(B, H, DK, DV)
+        n = q.new_zeros(B, H, DK)
+        m = q.new_full((B, H), float("-inf"))
+    else:
+        C, n, m = C0.to(cd), n0.to(cd), m0.to(cd)
+    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    hs = []
+    for c in range(0, S + pad, L):
+        qc, kc, vc, ic = q[:, :, c:c + L], k[:, :, c:c + L], v[:, :, c:c + L], i[:, :, c:c + L]
+        b = logf[:, :, c:c + L].cumsum(-1)                                   # [B,H,L]
+        logD = (b[..., :, None] - b[..., None, :] + ic[..., None, :]).masked_fill(~causal, float("-inf"))
+        inter = b + m[..., None]                                             # log weight of the state
+        m_t = torch.maximum(inter, logD.amax(-1))                            # [B,H,L]
+        w_inter = torch.exp(inter - m_t)
+        Dm = torch.exp(logD - m_t[..., None])                                # [B,H,L,L]
+        Cqk = (qc @ kc.transpose(-1, -2)) * Dm
+        num = w_inter[..., None] * (qc @ C) + Cqk @ vc
+        den = w_inter * (qc @ n[..., None]).squeeze(-1) + Cqk.sum(-1)
+        hs.append(num / (torch.maximum(den.abs(), torch.exp(-m_t)) + eps)[..., None])
+        g = b[..., -1]                                                       # whole-chunk log forget
+        log_w = g[..., None] - b + ic                                        # [B,H,L]
+        m_new = torch.maximum(g + m, log_w.amax(-1))
+        decay, w = torch.exp(g + m - m_new), torch.exp(log_w - m_new[..., None])
+        C = decay[..., None, None] * C + (kc * w[..., None]).transpose(-1, -2) @ vc
+        n = decay[..., None] * n + (kc * w[..., None]).sum(-2)
+        m = m_new
+    h = torch.cat(hs, dim=2)[:, :, :S]
+    return h.to(out_dtype), C, n, m
+
+
+def parallel_oracle(q, k, v, i, f, C0=None, n0=None, m0=None, eps=1e-6):
+    """The defining formula above, O(S^2) memory: a test oracle for the chunkwise reference."""
+    cd = _compute_dtype(q)
+    q, k, v, i, f = (t.to(cd) for t in (q, k, v, i, f))
+    S, DK = q.shape[-2], q.shape[-1]
+    k = k * DK ** -0.5
+    Fc = F.logsigmoid(f).cumsum(-1)
+    logD = Fc[..., :, None] - Fc[..., None, :] + i[..., None, :]
+    logD = logD.masked_fill(~torch.ones(S, S, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    inter = Fc + (m0.to(cd)[..., None] if m0 is not None else float("-inf"))
+    m = torch.maximum(inter, logD.amax(-1))
+    Cqk = (q @ k.transpose(-1, -2)) * torch.exp(logD - m[..., None])
+    num, den = Cqk @ v, Cqk.sum(-1)
+    if C0 is not None:
+        w = torch.exp(inter - m)
+        num = num + w[..., None] * (q @ C0.to(cd))
+        den = den + w * (q @ n0.to(cd)[..., None]).squeeze(-1)
+    return num / (torch.maximum(den.abs(), torch.exp(-m)) + eps)[..., None]
+
+
+def _recompute_grads(fn, inputs, outputs_grads):
+    """Gradients by re-running `fn` on detached inputs under autograd (the reference's backward;
+    kernels replace it with fused backward passes)."""
+    leaves = [t.detach().requires_grad_(True) if t is not None and t.is_floating_point() else None for t in inputs]
+    with torch.enable_grad():
+        outs = fn(*leaves)
+    pairs = [(o, g) for o, g in zip(outs, outputs_grads) if g is not None and o.requires_grad]
+    wanted = [t for t in leaves if t is not None]
+    if not pairs:
+        return [None] * len(inputs)
+    got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
+    return [next(got) if t is not None else None for t in leaves]
+
+
+OP_NAME = "mlstm"
+
+
+def case_key(q, k, v, i, f, C0, n0, m0, eps, chunk_size) -> tuple:
+    return (q.device.type, q.dtype, q.shape, v.shape, C0 is not None)
+
+
+def _triton_kernels(key, q, *args):
+    """Generated Triton chunkwise forward (codegen/triton_mlstm.py) on CUDA, or under the interpreter."""
+    import os
+
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return NotImplemented
+    from ..codegen import triton_mlstm
+
+    return triton_mlstm.forward(key, q, *args)
+
+
+def run(q, k, v, i, f, C0, n0, m0, eps, chunk_size):
+    h, C, n, m = runtime.dispatch(OP_NAME, case_key, reference, q, k, v, i, f, C0, n0, m0, eps, chunk_size)
+    return h.contiguous(), C, n, m
+
+
+@torch.library.custom_op("xaccel::mlstm", mutates_args=())
+def mlstm(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor | None, n0: Tensor | None,
+          m0: Tensor | None, eps: float, chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return run(q, k, v, i, f, C0, n0, m0, eps, chunk_size)
+
+
+runtime.register_provider(OP_NAME, _triton_kernels)
+
+
+@mlstm.register_fake
+def _fake(q, k, v, i, f, C0, n0, m0, eps, chunk_size):
+    B, H, S, DK = q.shape
+    cd = _compute_dtype(q)
+    return (q.new_empty(B, H, S, v.shape[-1]), q.new_empty(B, H, DK, v.shape[-1], dtype=cd),
+            q.new_empty(B, H, DK, dtype=cd), q.new_empty(B, H, dtype=cd))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, i, f, C0, n0, m0, eps, chunk_size = inputs
+    ctx.has_state = C0 is not None
+    ctx.save_for_backward(q, k, v, i, f, *((C0, n0, m0) if ctx.has_state else ()))
+    ctx.eps, ctx.chunk_size = eps, chunk_size
+
+
+def _backward(ctx, gh, gC, gn, gm):
+    saved = list(ctx.saved_tensors)
+    state = saved[5:] if ctx.has_state else [None, None, None]
+    grads = _recompute_grads(lambda *t: reference(*t, eps=ctx.eps, chunk_size=ctx.chunk_size),
+                             saved[:5] + state, [gh, gC, gn, gm])
+    return (*grads, None, None)
+
+
+mlstm.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,61 @@
+"""xaccel::mlstm_step — one recurrent mLSTM step for decoding, states in fp32.
+
+    m' = max(logsigmoid(f) + m, i);  f' = exp(logsigmoid(f) + m - m');  i' = exp(i - m')
+    C' = f' C + i' k v^T;  n' = f' n + i' k          (k scaled by 1/sqrt(DQK))
+    h  = (q^T C') / (max(|q^T n'|, exp(-m')) + eps)
+
+Shapes: q, k [B,H,DQK]; v [B,H,DV]; i, f [B,H]; C [B,H,DQK,DV]; n [B,H,DQK]; m [B,H].
+A sequence of these steps from zero states (m = 0) equals xaccel::mlstm with initial state
+(0, 0, 0); see ops/mlstm.py.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def reference(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C: Tensor, n: Tensor, m: Tensor,
+              eps: float = 1e-6) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(h [B,H,DV] in q's dtype, C', n', m') with the states in fp32 (float64 stays float64)."""
+    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out_dtype = q.dtype
+    q, k, v, i, f, C, n, m = (t.to(cd) for t in (q, k, v, i, f, C, n, m))
+    k = k * q.shape[-1] ** -0.5
+    logf = F.logsigmoid(f)
+    m_new = torch.maximum(logf + m, i)
+    fg, ig = torch.exp(logf + m - m_new), torch.exp(i - m_new)
+    C = fg[..., None, None] * C + ig[..., None, None] * (k[..., :, None] * v[..., None, :])
+    n = fg[..., None] * n + ig[..., None] * k
+    num = (q[..., None, :] @ C).squeeze(-2)
+    den = (q * n).sum(-1)
+    h = num / (torch.maximum(den.abs(), torch.exp(-m_new)) + eps)[..., None]
+    return h.to(out_dtype), C, n, m_new
+
+
+@torch.library.custom_op("xaccel::mlstm_step", mutates_args=())
+def mlstm_step(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C: Tensor, n: Tensor, m: Tensor,
+               eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return reference(q, k, v, i, f, C, n, m, eps)
+
+
+@mlstm_step.register_fake
+def _fake(q, k, v, i, f, C, n, m, eps):
+    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(v.shape), C.new_empty(C.shape, dtype=cd), n.new_empty(n.shape, dtype=cd), m.new_empty(m.shape, dtype=cd)
+
+
+def _setup_context(ctx, inputs, output):
+    *tensors, eps = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.eps = eps
+
+
+def _backward(ctx, gh, gC, gn, gm):
+    from .mlstm import _recompute_grads
+
+    grads = _recompute_grads(lambda *t: reference(*t, eps=ctx.eps), list(ctx.saved_tensors), [gh, gC, gn, gm])
+    return (*grads, None)
+
+
+mlstm_step.register_autograd(_backward, setup_context=_setup_context)
