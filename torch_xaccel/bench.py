@@ -1,6 +1,6 @@
 """Side-by-side timings on the GPU, every path measured in one run:
 
-    python -m torch_xaccel.bench gemm [--out DIR] [--quick] [--no-max-autotune]
+    python -m torch_xaccel.bench gemm|mlstm [--out DIR] [--quick] [--no-max-autotune] [--only TEXT]
 
 Prints one table (xaccel, eager, Inductor default, Inductor max-autotune, the cuBLAS matmuls
 alone) with times, TFLOP/s and ratios, checks xaccel against an fp32 reference, and writes
@@ -26,6 +26,7 @@ class Case:
     flop: float
     make: Callable  # () -> (fn, args, cublas_only_fn)
     train: bool = False
+    runner: str = "compile"  # "compile": eager vs torch.compile paths; "mlstm": op-level kernels
     graphs: bool = False  # also time CUDA-graph replays (decode shapes: CPU launch cost hidden)
     rows: list = field(default_factory=list)
 
@@ -107,9 +108,60 @@ def mlp_train(M, d=2048, h=8192, layers=4):
     return Case(f"train step {layers}-layer MLP M{M} {d}->{h}->{d} (fwd+bwd)", 3 * 2 * M * d * h * 2 * layers, make, train=True)
 
 
+def mlstm_fwd(B, NH, S, DK, DV):
+    """Forward of the chunkwise mLSTM: the generated kernel beside the anchors that run here."""
+    def make():
+        g = torch.Generator(device="cuda").manual_seed(0)
+        mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+        q, k, v = mk(B, NH, S, DK), mk(B, NH, S, DK), mk(B, NH, S, DV)
+        i, f = mk(B, NH, S), 3.0 + mk(B, NH, S)
+        return q, k, v, i, f
+    # one read of q, k, v, gates and one write of h, bf16
+    floor_bytes = 2 * (B * NH * S * (2 * DK + 2 * DV) + 2 * B * NH * S)
+    return Case(f"mLSTM fwd B{B} NH{NH} S{S} DQK{DK} DV{DV}", floor_bytes, make, runner="mlstm")
+
+
+def run_mlstm_case(case: Case) -> list:
+    """Rows: xaccel (torch.ops.xaccel.mlstm, Triton chunkwise forward), the xLSTM kernel library's
+    triton_limit_chunk if it is importable (carry its wheels), causal SDPA on the same q/k/v when
+    DQK == DV. 'TFLOP/s' here is GB/s over the memory floor (one read of inputs, one write of h)."""
+    q, k, v, i, f = case.make()
+    rows = []
+
+    def add(path, ms, extra=""):
+        rows.append(dict(case=case.name, path=path, ms=ms, tflops=case.flop / ms / 1e9, extra=extra))
+        print(f"  {path:36s} {ms:9.3f} ms  {case.flop / ms / 1e6:8.0f} GB/s of floor  {extra}", flush=True)
+
+    print(f"\n{case.name}  (memory floor {case.flop / 4.3e9:.3f} ms at 4.3 TB/s)", flush=True)
+    from torch_xaccel.ops.mlstm import reference
+
+    with torch.no_grad():
+        sub = [t[:1, :2] for t in (q, k, v, i, f)]
+        want = reference(*(t.double() for t in sub))[0]
+        got = torch.ops.xaccel.mlstm(*sub, None, None, None, 1e-6, 64)[0]
+        err = ((got.double() - want).norm() / want.norm()).item()
+        add("xaccel (Triton chunkwise fwd)", _bench(lambda: torch.ops.xaccel.mlstm(q, k, v, i, f, None, None, None, 1e-6, 64),
+                                                   False), f"rel err vs fp64 reference (B1 NH2 slice) {err:.1e}")
+        try:
+            from mlstm_kernels.torch import get_mlstm_kernel
+
+            kern = get_mlstm_kernel("chunkwise--triton_limit_chunk")
+            add("xLSTM library triton_limit_chunk (64)", _bench(lambda: kern(q=q, k=k, v=v, i=i, f=f, chunk_size=64), False))
+        except Exception as e:  # noqa: BLE001 - an anchor that cannot run is reported, not fatal
+            print(f"  xLSTM library anchor not run: {type(e).__name__}: {str(e)[:120]}")
+        if q.shape[-1] == v.shape[-1]:
+            add("causal SDPA, same q/k/v", _bench(
+                lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), False))
+    base = rows[0]["ms"]
+    for r in rows:
+        r["vs_cublas"], r["vs_xaccel"] = r["ms"] / base, r["ms"] / base
+    return rows
+
+
 SUITES = {
     "gemm": lambda quick: ([gelu_residual(4096 if quick else 16384), gelu_residual(128), swiglu(4096 if quick else 16384),
                             mlp_train(4096 if quick else 16384)]),
+    "mlstm": lambda quick: [mlstm_fwd(8, 16, 2048 if quick else 8192, 128, 128), mlstm_fwd(8, 8, 1024 if quick else 4096, 256, 512)],
 }
 
 
@@ -181,7 +233,7 @@ def run_case(case: Case, max_autotune: bool) -> list:
 
 
 def markdown(rows, header: str) -> str:
-    out = [header, "", "| case | path | ms | TFLOP/s | x cuBLAS-alone | x xaccel | notes |", "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    out = [header, "", "| case | path | ms | TFLOP/s (GB/s of floor for mLSTM) | x first row | x xaccel | notes |", "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         vx = f"{r['vs_xaccel']:.2f}" if r["vs_xaccel"] else "-"
         out.append(f"| {r['case']} | {r['path']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['vs_cublas']:.3f} | {vx} | {r['extra']} |")
@@ -237,7 +289,7 @@ def main(argv=None) -> int:
     for case in SUITES[args.suite](args.quick):
         if args.only not in case.name:
             continue
-        rows += run_case(case, not args.no_max_autotune)
+        rows += run_mlstm_case(case) if case.runner == "mlstm" else run_case(case, not args.no_max_autotune)
         torch.cuda.empty_cache()
     md = markdown(rows, header)
     print("\n" + md)
