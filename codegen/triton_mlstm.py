@@ -1,8 +1,9 @@
-"""Generated Triton kernels for xaccel::mlstm (forward). Rendered per (initial state or not,
-input dtype); head dims, chunk size and the DV tile are compile-time constants of the kernel.
+"""Generated Triton kernels for xaccel::mlstm (forward) and xaccel::mlstm_step. Rendered per
+(initial state or not, input dtype); head dims, chunk size and the DV tile are compile-time
+constants of the kernel.
 
-Status: forward only, logic checked in Triton's interpreter; GPU timing and tuning are still to
-come (see the mLSTM issue). The backward runs the reference."""
+Status: logic checked in Triton's interpreter; GPU timing and tuning are still to come (see the
+mLSTM issue). Backward passes run the references."""
 from __future__ import annotations
 
 import hashlib
@@ -73,3 +74,24 @@ def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
     _kernel(has_state, q.dtype)[(B * H, DV // BV)](q, k, v, i, f, h, C0, n0, m0, C, n, m, S, DK ** -0.5, eps,
                                                    DK=DK, DV=DV, BV=BV, L=L)
     return h, C, n, m
+
+
+def step(key, q, k, v, i, f, C, n, m, eps):
+    """Kernel path for xaccel::mlstm_step, or NotImplemented. Capturable in a CUDA graph (no host
+    synchronisation, outputs allocated by the caching allocator)."""
+    B, H, DK = q.shape
+    DV = v.shape[-1]
+    if q.dtype not in DTYPES or DK not in HEAD_DIMS or DV not in HEAD_DIMS or not all(t.dtype == q.dtype for t in (k, v)):
+        return NotImplemented
+    q, k, v, i, f = (t.contiguous() for t in (q, k, v, i, f))
+    C, n, m = (t.float().contiguous() for t in (C, n, m))
+    h = torch.empty(B, H, DV, dtype=q.dtype, device=q.device)
+    C2, n2, m2 = torch.empty_like(C), torch.empty_like(n), torch.empty_like(m)
+    BV = min(DV, 64)
+    key = ("step", _interpreting())
+    if key not in _KERNELS:
+        name = "mlstm_step_" + hashlib.sha256(b"mlstm_step|v1").hexdigest()[:12]
+        src = _ENV.get_template("mlstm_step.py.jinja").render(kernel_name=name)
+        _KERNELS[key] = getattr(cache.load_source(name, src), name)
+    _KERNELS[key][(B * H, DV // BV)](q, k, v, i, f, C, n, m, h, C2, n2, m2, DK ** -0.5, eps, DK=DK, DV=DV, BV=BV)
+    return h, C2, n2, m2

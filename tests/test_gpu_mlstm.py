@@ -37,3 +37,26 @@ def test_op_uses_kernel_and_backward_runs():
     assert rel_err(h, want) <= 1e-2
     h.float().square().sum().backward()
     assert q.grad is not None and not q.grad.isnan().any()
+
+
+@pytest.mark.parametrize("DK,DV", [(128, 128), (256, 512)])
+def test_step_kernel_matches_reference_and_captures_in_a_cuda_graph(DK, DV):
+    from torch_xaccel.ops import mlstm_step
+
+    torch.manual_seed(DK)
+    B, H = 4, 8
+    x = [torch.randn(B, H, DK, device="cuda", dtype=torch.bfloat16), torch.randn(B, H, DK, device="cuda", dtype=torch.bfloat16),
+         torch.randn(B, H, DV, device="cuda", dtype=torch.bfloat16), torch.randn(B, H, device="cuda"),
+         torch.randn(B, H, device="cuda") + 3]
+    state = [torch.randn(B, H, DK, DV, device="cuda") * .1, torch.randn(B, H, DK, device="cuda") * .1, torch.randn(B, H, device="cuda")]
+    got = torch.ops.xaccel.mlstm_step(*x, *state, 1e-6)
+    want = mlstm_step.reference(*(t.double() for t in x + state))
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.xaccel.mlstm_step(*x, *state, 1e-6)
+    x[2].copy_(torch.randn_like(x[2]))  # new token, same buffers
+    graph.replay()
+    want = mlstm_step.reference(*(t.double() for t in x + state))
+    assert rel_err(out[0], want[0]) <= 1e-2

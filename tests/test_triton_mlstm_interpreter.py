@@ -1,6 +1,6 @@
 """The generated Triton mLSTM forward, run by Triton's interpreter on the CPU (float32), against the
 op's reference in float64: odd S (not a multiple of the chunk), DQK != DV, with and without
-initial states, final states included."""
+initial states, final states included; and the step kernel."""
 import os
 import subprocess
 import sys
@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 SCRIPT = textwrap.dedent("""
     import os, torch
     os.environ["TRITON_INTERPRET"] = "1"
-    from torch_xaccel.ops import mlstm
+    from torch_xaccel.ops import mlstm, mlstm_step
     from torch_xaccel.codegen import triton_mlstm
     torch.manual_seed(0)
     bad = 0
@@ -27,6 +27,14 @@ SCRIPT = textwrap.dedent("""
             errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want)]
             print((B, H, S, DK, DV), state is not None, " ".join(f"{e:.1e}" for e in errs))
             bad += any(e > 1e-5 for e in errs)
+    for B, H, DK, DV in [(2, 3, 16, 32), (1, 2, 64, 16)]:
+        x = [torch.randn(B, H, DK), torch.randn(B, H, DK), torch.randn(B, H, DV), torch.randn(B, H), torch.randn(B, H) + 2,
+             torch.randn(B, H, DK, DV) * .1, torch.randn(B, H, DK) * .1, torch.randn(B, H)]
+        got = triton_mlstm.step(None, *x, 1e-6)
+        want = mlstm_step.reference(*(t.double() for t in x))
+        errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want)]
+        print("step", (B, H, DK, DV), " ".join(f"{e:.1e}" for e in errs))
+        bad += any(e > 1e-5 for e in errs)
     raise SystemExit(bad)
 """)
 
@@ -35,4 +43,4 @@ def test_mlstm_forward_kernel_matches_reference_in_interpreter(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout.count("\n") == 6
+    assert proc.stdout.count("\n") == 8

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import runtime
+
 
 def reference(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C: Tensor, n: Tensor, m: Tensor,
               eps: float = 1e-6) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -33,10 +35,31 @@ def reference(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C: Tensor, 
     return h.to(out_dtype), C, n, m_new
 
 
+OP_NAME = "mlstm_step"
+
+
+def case_key(q, k, v, i, f, C, n, m, eps) -> tuple:
+    return (q.device.type, q.dtype, q.shape, v.shape)
+
+
+def _triton_kernels(key, q, *args):
+    """Generated Triton step kernel (codegen/triton_mlstm.py) on CUDA, or under the interpreter."""
+    import os
+
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return NotImplemented
+    from ..codegen import triton_mlstm
+
+    return triton_mlstm.step(key, q, *args)
+
+
 @torch.library.custom_op("xaccel::mlstm_step", mutates_args=())
 def mlstm_step(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C: Tensor, n: Tensor, m: Tensor,
                eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return reference(q, k, v, i, f, C, n, m, eps)
+    return runtime.dispatch(OP_NAME, case_key, reference, q, k, v, i, f, C, n, m, eps)
+
+
+runtime.register_provider(OP_NAME, _triton_kernels)
 
 
 @mlstm_step.register_fake
