@@ -239,8 +239,10 @@ def provider(key, a, bs, operands, epilogue, b_transposed):
         cfg = choose(case, lambda: reference(a, bs, operands, epilogue, b_transposed),
                      lambda: _Case(a, bs, operands, epilogue, b_transposed))
         _DECISIONS[key] = cfg
-    if cfg is None:
-        return NotImplemented  # ATen measured faster for this shape class
+    if cfg is None or not case.usable(cfg):
+        # ATen measured faster for this shape class, or this call's strides/alignment rule out
+        # the TMA kernel tuned on an earlier call with the same shapes
+        return NotImplemented
     outs = case.new_outputs()
     case.launch(cfg, outs)
     return [o.view(case.out_shape) for o in outs]

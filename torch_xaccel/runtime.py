@@ -25,7 +25,7 @@ class RuntimeFallback:
 
 
 _PROVIDERS: dict[str, list[Callable]] = {}
-_BROKEN: set[tuple[str, str, str]] = set()
+_BROKEN: set[tuple[str, str, tuple]] = set()
 EVENTS: list[RuntimeFallback] = []
 
 
