@@ -92,3 +92,28 @@ def test_ops_trace_under_compile_with_dynamic_shapes():
         want = torch.autograd.grad(g(*x), x)
         for a, b in zip(got, want):
             assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("S,chunk,with_state,gate_bias,final_grads", [
+    (13, 4, False, 0.0, False), (13, 4, False, 0.0, True), (21, 8, True, 0.0, True),
+    (30, 16, True, 8.0, True),   # large input gates: the eps term of the gradient matters
+    (30, 7, False, -5.0, True),  # small gates: the exp(-m) floor of the normalizer is active
+])
+def test_analytic_backward_equals_autograd_of_reference(S, chunk, with_state, gate_bias, final_grads):
+    from torch_xaccel.ops.mlstm_backward import backward
+
+    (q, k, v, i, f), state = _inputs(B=2, H=2, S=S, DK=4, DV=3, grad=True, seed=S)
+    i = (i.detach() + gate_bias).requires_grad_()
+    st = list(state) if with_state else [None, None, None]
+    outs = mlstm.reference(q, k, v, i, f, *st, chunk_size=chunk)
+    cots = [torch.randn_like(o) for o in outs]
+    if not final_grads:
+        cots = [cots[0], None, None, None]
+    leaves = [q, k, v, i, f] + [t for t in st if t is not None]
+    want = torch.autograd.grad([o for o, c in zip(outs, cots) if c is not None], leaves,
+                               [c for c in cots if c is not None], allow_unused=True)
+    got = [g for g in backward(*cots, *(t.detach() for t in (q, k, v, i, f)),
+                               *(t.detach() if t is not None else None for t in st), chunk_size=chunk) if g is not None]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert _rel(g, w) < 1e-12

@@ -102,8 +102,8 @@ def parallel_oracle(q, k, v, i, f, C0=None, n0=None, m0=None, eps=1e-6):
 
 
 def _recompute_grads(fn, inputs, outputs_grads):
-    """Gradients by re-running `fn` on detached inputs under autograd (the reference's backward;
-    kernels replace it with fused backward passes)."""
+    """Gradients by re-running `fn` on detached inputs under autograd (mlstm_step's backward; the
+    sequence op has an analytic one in mlstm_backward.py)."""
     leaves = [t.detach().requires_grad_(True) if t is not None and t.is_floating_point() else None for t in inputs]
     with torch.enable_grad():
         outs = fn(*leaves)
@@ -160,13 +160,15 @@ def _setup_context(ctx, inputs, output):
     ctx.has_state = C0 is not None
     ctx.save_for_backward(q, k, v, i, f, *((C0, n0, m0) if ctx.has_state else ()))
     ctx.eps, ctx.chunk_size = eps, chunk_size
+    ctx.set_materialize_grads(False)  # unused final states get None: the backward skips them
 
 
 def _backward(ctx, gh, gC, gn, gm):
+    from .mlstm_backward import backward
+
     saved = list(ctx.saved_tensors)
     state = saved[5:] if ctx.has_state else [None, None, None]
-    grads = _recompute_grads(lambda *t: reference(*t, eps=ctx.eps, chunk_size=ctx.chunk_size),
-                             saved[:5] + state, [gh, gC, gn, gm])
+    grads = backward(gh, gC, gn, gm, *saved[:5], *state, eps=ctx.eps, chunk_size=ctx.chunk_size)
     return (*grads, None, None)
 
 
