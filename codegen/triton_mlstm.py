@@ -95,3 +95,57 @@ def step(key, q, k, v, i, f, C, n, m, eps):
         _KERNELS[key] = getattr(cache.load_source(name, src), name)
     _KERNELS[key][(B * H, DV // BV)](q, k, v, i, f, C, n, m, h, C2, n2, m2, DK ** -0.5, eps, DK=DK, DV=DV, BV=BV)
     return h, C2, n2, m2
+
+
+def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
+    """Kernel path for xaccel::mlstm's backward (same contract as ops/mlstm_backward.backward), or
+    NotImplemented. The kernel holds whole [DK, DV] states per program: correct for every
+    supported head size, tuned for none yet."""
+    import torch.nn.functional as F
+
+    from torch_xaccel.ops.mlstm_backward import _route_max_grad
+
+    B, H, S, DK = q.shape
+    DV = v.shape[-1]
+    if q.dtype not in DTYPES or DK not in HEAD_DIMS or DV not in HEAD_DIMS or S == 0 or dh is None and gC is None:
+        return NotImplemented
+    dev, f32 = q.device, torch.float32
+    L = 16 if max(DK, DV) > 128 else 32
+    NC = -(-S // L)
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    i32, f32_ = i.float().contiguous(), f.float().contiguous()
+    dh = torch.zeros(B, H, S, DV, device=dev, dtype=f32) if dh is None else dh.float().contiguous()
+    dC = torch.zeros(B, H, DK, DV, device=dev, dtype=f32) if gC is None else gC.float().clone()
+    dn = torch.zeros(B, H, DK, device=dev, dtype=f32) if gn is None else gn.float().clone()
+    gm = torch.zeros(B, H, device=dev, dtype=f32) if gm is None else gm.float().contiguous()
+    has_state = C0 is not None
+    C0s, n0s, m0s = ((C0.float().contiguous(), n0.float().contiguous(), m0.float().contiguous()) if has_state
+                     else (dC, dn, gm))  # unused by the kernel without a state
+    Cs = torch.empty(B * H * NC * DK * DV, device=dev, dtype=f32)
+    ns = torch.empty(B * H * NC * DK, device=dev, dtype=f32)
+    ms = torch.empty(B * H * NC, device=dev, dtype=f32)
+    dmT = torch.empty(B, H, device=dev, dtype=f32)
+    dq, dk = torch.empty(B, H, S, DK, device=dev, dtype=f32), torch.empty(B, H, S, DK, device=dev, dtype=f32)
+    dv = torch.empty(B, H, S, DV, device=dev, dtype=f32)
+    di, dlogf, dm = (torch.empty(B, H, S, device=dev, dtype=f32) for _ in range(3))
+    kkey = ("bwd", has_state, _interpreting())
+    if kkey not in _KERNELS:
+        name = "mlstm_bwd_" + hashlib.sha256(f"mlstm_bwd|{has_state}|{_interpreting()}".encode()).hexdigest()[:12]
+        src = _ENV.get_template("mlstm_bwd.py.jinja").render(kernel_name=name, has_state=has_state,
+                                                              s_constexpr=_interpreting())
+        _KERNELS[kkey] = getattr(cache.load_source(name, src), name)
+    _KERNELS[kkey][(B * H,)](q, k, v, i32, f32_, dh, C0s, n0s, m0s, Cs, ns, ms, dC, dn, gm, dmT,
+                              dq, dk, dv, di, dlogf, dm, S, NC, DK ** -0.5, eps, DK=DK, DV=DV, L=L)
+    dm[..., -1] += dmT
+    logf = F.logsigmoid(f32_)
+    r_di, r_dlogf, r_dm0 = _route_max_grad(dm, i32, logf.cumsum(-1), m0s if has_state else None)
+    di, dlogf = di + r_di, dlogf + r_dlogf
+    df = dlogf * torch.sigmoid(-f32_)
+    grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), di.to(i.dtype), df.to(f.dtype)]
+    if has_state:
+        e0 = torch.exp(m0s)
+        grads += [(dC * e0[..., None, None]).to(C0.dtype), (dn * e0[..., None]).to(n0.dtype),
+                  (e0 * ((dC * C0s).sum((-1, -2)) + (dn * n0s).sum(-1)) + r_dm0).to(m0.dtype)]
+    else:
+        grads += [None, None, None]
+    return grads

@@ -1,6 +1,7 @@
 """The generated Triton mLSTM forward, run by Triton's interpreter on the CPU (float32), against the
 op's reference in float64: odd S (not a multiple of the chunk), DQK != DV, with and without
-initial states, final states included; and the step kernel."""
+initial states, final states included; the step kernel; the backward kernel against the
+analytic backward (itself equal to autograd of the reference, tests/test_mlstm_ops.py)."""
 import os
 import subprocess
 import sys
@@ -35,6 +36,18 @@ SCRIPT = textwrap.dedent("""
         errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want)]
         print("step", (B, H, DK, DV), " ".join(f"{e:.1e}" for e in errs))
         bad += any(e > 1e-5 for e in errs)
+    from torch_xaccel.ops.mlstm_backward import backward as analytic
+    for B, H, S, DK, DV, with_state in [(1, 2, 37, 16, 32, False), (1, 1, 70, 32, 16, True)]:
+        x = [torch.randn(B, H, S, DK), torch.randn(B, H, S, DK), torch.randn(B, H, S, DV), torch.randn(B, H, S),
+             torch.randn(B, H, S) + 2]
+        st = [torch.randn(B, H, DK, DV) * .1, torch.randn(B, H, DK) * .1, torch.randn(B, H)] if with_state else [None] * 3
+        cots = [torch.randn(B, H, S, DV), torch.randn(B, H, DK, DV), torch.randn(B, H, DK), torch.randn(B, H)]
+        got = triton_mlstm.backward(None, *cots, *x, *st, 1e-6, 64)
+        want = analytic(*(c.double() for c in cots), *(t.double() for t in x),
+                        *(t.double() if t is not None else None for t in st), chunk_size=64)
+        errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want) if w is not None]
+        print("bwd", (B, H, S, DK, DV, with_state), " ".join(f"{e:.1e}" for e in errs))
+        bad += any(e > 1e-5 for e in errs)
     raise SystemExit(bad)
 """)
 
@@ -43,4 +56,4 @@ def test_mlstm_forward_kernel_matches_reference_in_interpreter(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout.count("\n") == 8
+    assert proc.stdout.count("\n") == 10

@@ -122,7 +122,7 @@ def mlstm_fwd(B, NH, S, DK, DV):
 
 
 def run_mlstm_case(case: Case) -> list:
-    """Rows: xaccel (torch.ops.xaccel.mlstm, Triton chunkwise forward), the xLSTM kernel library's
+    """Rows: xaccel (torch.ops.xaccel.mlstm, Triton chunkwise forward; fwd+bwd), the xLSTM kernel library's
     triton_limit_chunk if it is importable (carry its wheels), causal SDPA on the same q/k/v when
     DQK == DV. 'TFLOP/s' here is GB/s over the memory floor (one read of inputs, one write of h)."""
     q, k, v, i, f = case.make()
@@ -142,11 +142,23 @@ def run_mlstm_case(case: Case) -> list:
         err = ((got.double() - want).norm() / want.norm()).item()
         add("xaccel (Triton chunkwise fwd)", _bench(lambda: torch.ops.xaccel.mlstm(q, k, v, i, f, None, None, None, 1e-6, 64),
                                                    False), f"rel err vs fp64 reference (B1 NH2 slice) {err:.1e}")
+    qg, kg, vg, ig, fg = (t.detach().requires_grad_() for t in (q, k, v, i, f))
+
+    def fwd_bwd():
+        h = torch.ops.xaccel.mlstm(qg, kg, vg, ig, fg, None, None, None, 1e-6, 64)[0]
+        h.backward(torch.ones_like(h))
+    add("xaccel fwd+bwd", _bench(fwd_bwd, True))
+    with torch.no_grad():
         try:
             from mlstm_kernels.torch import get_mlstm_kernel
 
             kern = get_mlstm_kernel("chunkwise--triton_limit_chunk")
             add("xLSTM library triton_limit_chunk (64)", _bench(lambda: kern(q=q, k=k, v=v, i=i, f=f, chunk_size=64), False))
+            with torch.enable_grad():
+                def lib_fwd_bwd():
+                    h = kern(q=qg, k=kg, v=vg, i=ig, f=fg, chunk_size=64)
+                    h.backward(torch.ones_like(h))
+                add("xLSTM library fwd+bwd", _bench(lib_fwd_bwd, True))
         except Exception as e:  # noqa: BLE001 - an anchor that cannot run is reported, not fatal
             print(f"  xLSTM library anchor not run: {type(e).__name__}: {str(e)[:120]}")
         if q.shape[-1] == v.shape[-1]:

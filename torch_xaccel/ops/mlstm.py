@@ -163,13 +163,50 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # unused final states get None: the backward skips them
 
 
-def _backward(ctx, gh, gC, gn, gm):
+def _backward_reference(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
     from .mlstm_backward import backward
 
+    return backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps=eps, chunk_size=chunk_size)
+
+
+def _backward_key(gh, gC, gn, gm, q, k, v, *rest) -> tuple:
+    return (q.device.type, q.dtype, q.shape, v.shape, rest[3] is not None)
+
+
+def _triton_backward(key, gh, gC, gn, gm, q, *args):
+    import os
+
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return NotImplemented
+    from ..codegen import triton_mlstm
+
+    return triton_mlstm.backward(key, gh, gC, gn, gm, q, *args)
+
+
+@torch.library.custom_op("xaccel::mlstm_backward", mutates_args=())
+def mlstm_backward(gh: Tensor | None, gC: Tensor | None, gn: Tensor | None, gm: Tensor | None, q: Tensor, k: Tensor,
+                   v: Tensor, i: Tensor, f: Tensor, C0: Tensor | None, n0: Tensor | None, m0: Tensor | None,
+                   eps: float, chunk_size: int) -> list[Tensor]:
+    """xaccel::mlstm's backward as one opaque op, so that traced backward graphs hold a single
+    node whose kernel is picked at run time: [dq, dk, dv, di, df] (+ [dC0, dn0, dm0] with a state)."""
+    grads = runtime.dispatch("mlstm_backward", _backward_key, _backward_reference,
+                             gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size)
+    return [g.contiguous() for g in grads if g is not None]
+
+
+@mlstm_backward.register_fake
+def _backward_fake(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
+    return [torch.empty_like(t) for t in (q, k, v, i, f, *((C0, n0, m0) if C0 is not None else ()))]
+
+
+def _backward(ctx, gh, gC, gn, gm):
     saved = list(ctx.saved_tensors)
     state = saved[5:] if ctx.has_state else [None, None, None]
-    grads = backward(gh, gC, gn, gm, *saved[:5], *state, eps=ctx.eps, chunk_size=ctx.chunk_size)
-    return (*grads, None, None)
+    grads = torch.ops.xaccel.mlstm_backward(gh, gC, gn, gm, *saved[:5], *state, ctx.eps, ctx.chunk_size)
+    return (*grads, *([None] * (8 - len(grads))), None, None)
+
+
+runtime.register_provider("mlstm_backward", _triton_backward)
 
 
 mlstm.register_autograd(_backward, setup_context=_setup_context)
