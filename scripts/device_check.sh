@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # One device call: install (no network there), the whole test suite (CPU + gpu-marked), the demo on
 # CUDA, then the benchmark suite given as arguments (e.g. `gemm --no-max-autotune`). Logs go to $OUT.
+# Env: SKIP_TESTS=1, PYTEST_ARGS="-m gpu", XACCEL_COMMIT=<hash> (the device copy has no .git).
+# Anchor wheels: `python3 -m pip download --no-deps -d .whl xlstm==2.0.6 mlstm-kernels==2.0.6 flashrnn==1.0.8`
+# here, then name .whl in the device call's carry.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XACCEL_CACHE_DIR=${XACCEL_CACHE_DIR:-/tmp/xaccel-cache}
 python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || { echo "pip install failed:"; tail -25 "$OUT/pip.log"; }
+# anchors' pure-Python wheels (xlstm, mlstm-kernels, flashrnn), when the call carries .whl
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >> "$OUT/pip.log" 2>&1 && export PYTHONPATH=/tmp/site
+fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.log"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   python3 -m torch_xaccel.demo 2>&1 | tee "$OUT/demo.log" | tail -4
