@@ -35,6 +35,13 @@ def _describe(key: tuple) -> str:
     return ":".join(str(k) for k in key[:2]) + ":" + shapes
 
 
+def kernels_can_run(t: torch.Tensor) -> bool:
+    """Generated Triton kernels run on CUDA tensors, or anywhere under TRITON_INTERPRET=1 (tests)."""
+    import os
+
+    return t.device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def register_provider(op: str, provider: Callable) -> None:
     """provider(key, *args) -> result | NotImplemented; `key` (hashable) names the case: device,
     dtype, shapes."""

@@ -124,9 +124,7 @@ def case_key(q, k, v, i, f, C0, n0, m0, eps, chunk_size) -> tuple:
 
 def _triton_kernels(key, q, *args):
     """Generated Triton chunkwise forward (codegen/triton_mlstm.py) on CUDA, or under the interpreter."""
-    import os
-
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not runtime.kernels_can_run(q):
         return NotImplemented
     from ..codegen import triton_mlstm
 
@@ -174,9 +172,7 @@ def _backward_key(gh, gC, gn, gm, q, k, v, *rest) -> tuple:
 
 
 def _triton_backward(key, gh, gC, gn, gm, q, *args):
-    import os
-
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not runtime.kernels_can_run(q):
         return NotImplemented
     from ..codegen import triton_mlstm
 

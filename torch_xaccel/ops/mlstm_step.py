@@ -44,9 +44,7 @@ def case_key(q, k, v, i, f, C, n, m, eps) -> tuple:
 
 def _triton_kernels(key, q, *args):
     """Generated Triton step kernel (codegen/triton_mlstm.py) on CUDA, or under the interpreter."""
-    import os
-
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not runtime.kernels_can_run(q):
         return NotImplemented
     from ..codegen import triton_mlstm
 
