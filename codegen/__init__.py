@@ -1,6 +1,8 @@
-"""Kernel source generation: jinja2 templates rendered from an op's parameters (the epilogue IR for
-GEMMs), built and cached on disk under XACCEL_CACHE_DIR. Installed as torch_xaccel.codegen.
+"""Kernel source generation: jinja2 templates (templates/) rendered per op and specialisation, built
+by Triton, cached on disk under XACCEL_CACHE_DIR (cache.py). Installed as torch_xaccel.codegen.
 
-Empty until the generated Triton GEMM kernels land (issue 3); until then every xaccel op runs its
-reference ATen composition through torch_xaccel.runtime.
+- render.py + triton_gemm.py: GEMM + epilogue kernels for xaccel::gemm_epilogue, with tuning.
+- triton_mlstm.py: chunkwise mLSTM forward and backward, and the decode step kernel.
+Each module is a runtime provider: it returns NotImplemented for cases it does not cover, and the
+op's reference runs instead (torch_xaccel/runtime.py).
 """

@@ -64,6 +64,11 @@ def write_entry(kind: str, key: str, value) -> None:
     atomic_write(root() / kind / f"{key_name(key)}.json", json.dumps({"key": key, "value": value}, indent=1))
 
 
+def interpreting() -> bool:
+    """Triton's interpreter is on (TRITON_INTERPRET=1): kernels then run on the CPU, for tests."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 _MODULES: dict[tuple[str, str], object] = {}
 
 

@@ -7,7 +7,6 @@ does not cover (batched B, empty tensors, other devices), so the runtime runs th
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 
@@ -44,19 +43,15 @@ def candidates(m: int, n_gemms: int, dtype: torch.dtype) -> list[tuple]:
     return DUAL if n_gemms > 1 else LARGE
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 _KERNELS: dict = {}
 
 
 def _kernel(epilogue: str, n_operands: int, precision: str, variant: str, b_transposed: bool):
     """(name, Triton kernel) for an epilogue, rendered and imported once per process and mode."""
-    key = (epilogue, n_operands, precision, variant, b_transposed, _interpreting())
+    key = (epilogue, n_operands, precision, variant, b_transposed, cache.interpreting())
     if key not in _KERNELS:
         name, src = render_gemm_epilogue(parse(epilogue), n_operands, precision, variant, b_transposed,
-                                         k_constexpr=_interpreting())
+                                         k_constexpr=cache.interpreting())
         _KERNELS[key] = name, getattr(cache.load_source(name, src), name)
     return _KERNELS[key]
 
@@ -102,12 +97,12 @@ class _Case:
             self.ops.append(t2)
             self.op_strides += list(strides)
         if a.dtype == torch.float32:
-            tf32 = torch.backends.cuda.matmul.allow_tf32 and not _interpreting()
+            tf32 = torch.backends.cuda.matmul.allow_tf32 and not cache.interpreting()
             self.precision = "tf32" if tf32 else "ieee"
         else:
             self.precision = "ieee"
         self.epilogue, self.b_transposed = epilogue, b_transposed
-        self.tma = (self.a2.device.type == "cuda" and not _interpreting()
+        self.tma = (self.a2.device.type == "cuda" and not cache.interpreting()
                     and all(_tma_ok(t) for t in (self.a2, *self.bs)))
         self.dtype, self.device = a.dtype, a.device
 
@@ -204,7 +199,7 @@ def _tune(case: _Case, reference_fn, cands, make_case) -> tuple | None:
 
 
 def choose(case: _Case, reference_fn, make_case) -> tuple | None:
-    if _interpreting():
+    if cache.interpreting():
         return INTERPRETER
     cands = [c for c in candidates(case.M, case.ep.num_accs, case.dtype) if case.usable(c)]
     key = case.tuning_key()

@@ -7,7 +7,6 @@ mLSTM issue). Backward passes run the references."""
 from __future__ import annotations
 
 import hashlib
-import os
 
 import torch
 
@@ -19,14 +18,10 @@ HEAD_DIMS = (16, 32, 64, 128, 256, 512)
 _KERNELS: dict = {}
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def render(has_state: bool, dtype: torch.dtype, s_constexpr: bool = False) -> tuple[str, str]:
     """s_constexpr: the sequence length as a compile-time constant, for Triton 3.6's interpreter
     (it cannot loop to a run-time bound under NumPy 2)."""
-    tf32 = dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not _interpreting()
+    tf32 = dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not cache.interpreting()
     precision = "tf32" if tf32 else "ieee"
     key = f"mlstm_fwd|{has_state}|{dtype}|{precision}|{s_constexpr}"
     name = "mlstm_fwd_" + hashlib.sha256(key.encode()).hexdigest()[:12]
@@ -36,9 +31,9 @@ def render(has_state: bool, dtype: torch.dtype, s_constexpr: bool = False) -> tu
 
 
 def _kernel(has_state: bool, dtype: torch.dtype):
-    key = (has_state, dtype, _interpreting())
+    key = (has_state, dtype, cache.interpreting())
     if key not in _KERNELS:
-        name, src = render(has_state, dtype, s_constexpr=_interpreting())
+        name, src = render(has_state, dtype, s_constexpr=cache.interpreting())
         _KERNELS[key] = getattr(cache.load_source(name, src), name)
     return _KERNELS[key]
 
@@ -88,7 +83,7 @@ def step(key, q, k, v, i, f, C, n, m, eps):
     h = torch.empty(B, H, DV, dtype=q.dtype, device=q.device)
     C2, n2, m2 = torch.empty_like(C), torch.empty_like(n), torch.empty_like(m)
     BV = min(DV, 64)
-    key = ("step", _interpreting())
+    key = ("step", cache.interpreting())
     if key not in _KERNELS:
         name = "mlstm_step_" + hashlib.sha256(b"mlstm_step|v1").hexdigest()[:12]
         src = _ENV.get_template("mlstm_step.py.jinja").render(kernel_name=name)
@@ -128,11 +123,11 @@ def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
     dq, dk = torch.empty(B, H, S, DK, device=dev, dtype=f32), torch.empty(B, H, S, DK, device=dev, dtype=f32)
     dv = torch.empty(B, H, S, DV, device=dev, dtype=f32)
     di, dlogf, dm = (torch.empty(B, H, S, device=dev, dtype=f32) for _ in range(3))
-    kkey = ("bwd", has_state, _interpreting())
+    kkey = ("bwd", has_state, cache.interpreting())
     if kkey not in _KERNELS:
-        name = "mlstm_bwd_" + hashlib.sha256(f"mlstm_bwd|{has_state}|{_interpreting()}".encode()).hexdigest()[:12]
+        name = "mlstm_bwd_" + hashlib.sha256(f"mlstm_bwd|{has_state}|{cache.interpreting()}".encode()).hexdigest()[:12]
         src = _ENV.get_template("mlstm_bwd.py.jinja").render(kernel_name=name, has_state=has_state,
-                                                              s_constexpr=_interpreting())
+                                                              s_constexpr=cache.interpreting())
         _KERNELS[kkey] = getattr(cache.load_source(name, src), name)
     _KERNELS[kkey][(B * H,)](q, k, v, i32, f32_, dh, C0s, n0s, m0s, Cs, ns, ms, dC, dn, gm, dmT,
                               dq, dk, dv, di, dlogf, dm, S, NC, DK ** -0.5, eps, DK=DK, DV=DV, L=L)
