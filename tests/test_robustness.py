@@ -78,3 +78,18 @@ def test_provider_result_is_used_when_it_takes_the_case():
         assert seen[0][:4] == ("cpu", torch.float32, True, torch.Size([5, 3]))
     finally:
         runtime.unregister_provider("gemm_epilogue", provider)
+
+
+def test_explain_reports_a_failing_kernel():
+    def broken_provider(key, *args):
+        raise RuntimeError("no kernel today")
+
+    runtime.register_provider("gemm_epilogue", broken_provider)
+    try:
+        with pytest.warns(torch_xaccel.XaccelFallbackWarning):
+            report = torch_xaccel.explain(fn, torch.randn(6, 3), torch.randn(7, 3))
+    finally:
+        runtime.unregister_provider("gemm_epilogue", broken_provider)
+    assert report.counts()["gemm_epilogue"] == 1
+    assert any("no kernel today" in e.reason for e in report.runtime_fallbacks)
+    assert "no kernel today" in str(report)

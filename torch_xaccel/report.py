@@ -64,7 +64,8 @@ class Report:
         lines.append(f"  replaced: {counts}")
         rows = [("replaced", r.family, r.pattern + (f"  [{r.note}]" if r.note else ""), r.location) for r in self.replacements]
         rows += [("fallback", f.family, f.reason, f.location) for f in self.fallbacks]
-        rows += [("runtime", e.op, f"{e.provider}: {e.reason}", e.key[:40]) for e in self.runtime_fallbacks]
+        rows += [("runtime", e.op, f"{e.reason} [kernel {e.provider.rsplit('.', 1)[-1]}]", e.key[:40])
+                 for e in self.runtime_fallbacks]
         if rows:
             widths = [max(len(str(r[i])) for r in rows + [("what", "family", "detail", "where")]) for i in range(3)]
             widths = [min(w, 70) for w in widths]
