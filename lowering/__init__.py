@@ -6,10 +6,11 @@ from typing import Callable
 
 import torch.fx
 
-from . import gemm_epilogue
+from . import gemm_epilogue, mlstm
 
 # family -> pass(gm, graph_report, training); order matters: larger patterns first once there are several.
 PASSES: dict[str, Callable[[torch.fx.GraphModule, object, bool], None]] = {
+    "mlstm": mlstm.run,  # first: its region holds matmuls the GEMM pass would otherwise take
     "gemm_epilogue": gemm_epilogue.run,
 }
 FAMILIES_WITH_PASSES: tuple[str, ...] = tuple(PASSES)

@@ -14,5 +14,10 @@ def to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
     def run(*args):
         return torch.fx.Interpreter(gm).run(*args)
 
+    # Trace Dynamo's own fake values (static sizes stay static, dynamic ones keep Dynamo's symbols
+    # and their sources). Real tensors would be fakeified afresh with new symbols that Dynamo
+    # cannot turn into guards ("symbol_to_source" errors at guard time).
+    fakes = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    args = fakes if len(fakes) == len(example_inputs) and all(f is not None for f in fakes) else example_inputs
     with fx_traceback.preserve_node_meta():
-        return make_fx(run, pre_dispatch=True, tracing_mode="symbolic")(*example_inputs)
+        return make_fx(run, pre_dispatch=True, tracing_mode="symbolic")(*args)

@@ -2,12 +2,14 @@
 
     python -m torch_xaccel.demo            # CPU: the reference path; CUDA GPU: the kernels (bf16)
 
-Today the model is a stack of transformer-style MLP blocks (GEMM + elementwise chains, SwiGLU);
-the mLSTM and sLSTM blocks join it as their kernels land. Exit status 1 if compiled != eager.
+Today the model stacks mLSTM mixing blocks (the parallel form) with transformer-style MLP blocks
+(GEMM + elementwise chains, SwiGLU); sLSTM blocks join it when they land. Exit status 1 if
+compiled != eager.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
@@ -37,11 +39,40 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(h)) * self.w3(h)) + x
 
 
+def mlstm_parallel(q, k, v, i, f, eps: float = 1e-6):
+    """The stabilized parallel mLSTM as a user would write it (see ../shared/ANCHORS.md)."""
+    S, D = q.shape[-2], q.shape[-1]
+    Fc = torch.cumsum(F.logsigmoid(f), dim=-1)
+    mask = torch.tril(torch.ones(S, S, dtype=torch.bool, device=q.device))
+    logD = (Fc[..., :, None] - Fc[..., None, :] + i[..., None, :]).masked_fill(~mask, float("-inf"))
+    m = logD.amax(dim=-1, keepdim=True)
+    C = (q @ k.transpose(-2, -1)) / math.sqrt(D) * torch.exp(logD - m)
+    n = torch.maximum(C.sum(-1, keepdim=True).abs(), torch.exp(-m))
+    return (C / (n + eps)) @ v
+
+
+class MLSTMBlock(nn.Module):
+    """Pre-norm mLSTM mixing layer; the recurrence runs in fp32, as xLSTM code usually does."""
+
+    def __init__(self, d: int, heads: int = 4):
+        super().__init__()
+        self.h, self.norm = heads, nn.LayerNorm(d)
+        self.qkv, self.gates, self.out = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, 2 * heads), nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        B, S, d = x.shape
+        y = self.norm(x)
+        q, k, v = (t.view(B, S, self.h, d // self.h).transpose(1, 2).float() for t in self.qkv(y).chunk(3, -1))
+        i, f = (t.transpose(1, 2).float() for t in self.gates(y).chunk(2, -1))
+        h = mlstm_parallel(q, k, v, i, f).to(x.dtype)
+        return self.out(h.transpose(1, 2).reshape(B, S, d)) + x
+
+
 class DemoModel(nn.Module):
     def __init__(self, d: int = 64, layers: int = 2, vocab: int = 101):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(m for _ in range(layers) for m in (SwiGLU(d, 4 * d), GeluMLP(d, 4 * d)))
+        self.blocks = nn.ModuleList(m for _ in range(layers) for m in (MLSTMBlock(d), SwiGLU(d, 4 * d), GeluMLP(d, 4 * d)))
         self.head = nn.Linear(d, vocab)
 
     def forward(self, tokens):

@@ -132,8 +132,9 @@ def _triton_kernels(key, q, *args):
 
 
 def run(q, k, v, i, f, C0, n0, m0, eps, chunk_size):
-    h, C, n, m = runtime.dispatch(OP_NAME, case_key, reference, q, k, v, i, f, C0, n0, m0, eps, chunk_size)
-    return h.contiguous(), C, n, m
+    """Outputs are contiguous whatever path ran, as the fake function promises."""
+    outs = runtime.dispatch(OP_NAME, case_key, reference, q, k, v, i, f, C0, n0, m0, eps, chunk_size)
+    return tuple(o.contiguous() for o in outs)
 
 
 @torch.library.custom_op("xaccel::mlstm", mutates_args=())
@@ -192,7 +193,8 @@ def mlstm_backward(gh: Tensor | None, gC: Tensor | None, gn: Tensor | None, gm: 
 
 @mlstm_backward.register_fake
 def _backward_fake(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
-    return [torch.empty_like(t) for t in (q, k, v, i, f, *((C0, n0, m0) if C0 is not None else ()))]
+    # contiguous, like the real gradients (empty_like would copy q's strides, e.g. a transposed view)
+    return [t.new_empty(t.shape) for t in (q, k, v, i, f, *((C0, n0, m0) if C0 is not None else ()))]
 
 
 def _backward(ctx, gh, gC, gn, gm):

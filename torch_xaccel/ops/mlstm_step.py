@@ -54,7 +54,8 @@ def _triton_kernels(key, q, *args):
 @torch.library.custom_op("xaccel::mlstm_step", mutates_args=())
 def mlstm_step(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C: Tensor, n: Tensor, m: Tensor,
                eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return runtime.dispatch(OP_NAME, case_key, reference, q, k, v, i, f, C, n, m, eps)
+    outs = runtime.dispatch(OP_NAME, case_key, reference, q, k, v, i, f, C, n, m, eps)
+    return tuple(o.contiguous() for o in outs)  # as the fake function promises
 
 
 runtime.register_provider(OP_NAME, _triton_kernels)
@@ -63,7 +64,8 @@ runtime.register_provider(OP_NAME, _triton_kernels)
 @mlstm_step.register_fake
 def _fake(q, k, v, i, f, C, n, m, eps):
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty(v.shape), C.new_empty(C.shape, dtype=cd), n.new_empty(n.shape, dtype=cd), m.new_empty(m.shape, dtype=cd)
+    return (q.new_empty(v.shape), C.new_empty(C.shape, dtype=cd), n.new_empty(n.shape, dtype=cd),
+            m.new_empty(m.shape, dtype=cd))
 
 
 def _setup_context(ctx, inputs, output):

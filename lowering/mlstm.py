@@ -1,0 +1,352 @@
+"""Pattern family "mlstm": the stabilized parallel mLSTM, rewritten to one torch.ops.xaccel.mlstm.
+
+Matched (ATen pre-dispatch, walking back from the output matmul):
+
+    logf = logsigmoid(f);  Fc = cumsum(logf, -1)
+    logD = causal_mask(Fc[..., :, None] - Fc[..., None, :] + i[..., None, :], -inf)
+    m = amax(logD, -1, keepdim=True);  D = exp(logD - m)
+    C = (q @ k^T * scale) * D               scale = 1/sqrt(DQK) on q k^T, on q or on k
+    n = maximum(|sum(C, -1, keepdim=True)|, exp(-m))
+    h = (C / (n + eps)) @ v
+
+with the causal mask written as masked_fill(~tril(ones), -inf), masked_fill(triu(ones, 1), -inf)
+or where(tril(ones), x, -inf); maximum, mul and add in either argument order. Every step is
+checked (ops, dims, the -inf fill, the scale value, eps a constant); each intermediate must have
+no user outside the pattern. The replaced graph computes the same function (the op's semantics
+without an initial state are exactly this form) in fp32, so it agrees with the original within
+rounding. Anything else that starts like an mLSTM (a logsigmoid feeding a cumsum) is reported
+with the step that did not match.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from torch_xaccel.report import Fallback, GraphReport, Replacement
+
+from .graph_utils import location, val
+
+FAMILY = "mlstm"
+aten = torch.ops.aten
+CHUNK = 64
+
+
+class NoMatch(Exception):
+    """A step of the pattern did not hold; the message says which."""
+
+
+def _is(node, *targets) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _expect(node, *targets, what: str):
+    if not _is(node, *targets):
+        name = getattr(getattr(node, "target", None), "__name__", str(node))
+        raise NoMatch(f"expected {what}, found {name}")
+    return node
+
+
+def _skip_full_slices(node, take):
+    """x[..., :] style no-op slices that indexing leaves in the graph."""
+    while (_is(node, aten.slice.Tensor) and len(node.args) <= 4
+           and tuple(node.args[2:4]) in ((0, 9223372036854775807), (None, None))):
+        take(node)
+        node = node.args[0]
+    return node
+
+
+def _unsqueezed(node, dim: int, take):
+    """The tensor that `node` is, unsqueezed at `dim` (negative, counted on the result)."""
+    node = _skip_full_slices(node, take)
+    _expect(node, aten.unsqueeze.default, what=f"an unsqueeze at dim {dim}")
+    rank = val(node).dim()
+    if node.args[1] % rank != dim % rank:
+        raise NoMatch(f"unsqueeze at dim {node.args[1]}, expected {dim}")
+    take(node)
+    return _skip_full_slices(node.args[0], take)
+
+
+def _either(node, test):
+    """(matched arg, other arg) for a binary node where `test` accepts one of its two args."""
+    a, b = node.args[0], node.args[1]
+    for x, y in ((a, b), (b, a)):
+        try:
+            return test(x), y
+        except NoMatch:
+            continue
+    raise NoMatch(f"neither input of {node.name} matches")
+
+
+def _dims(node, want) -> bool:
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    rank = val(node.args[0]).dim()
+    return [d % rank for d in dims] == [w % rank for w in want]
+
+
+def _causal_mask(mask, negate: bool, take):
+    """tril(ones(S, S)) (negate=False) or its complement ~tril / triu(ones, 1) (negate=True)."""
+    if negate:
+        if _is(mask, aten.bitwise_not.default, aten.logical_not.default):
+            take(mask)
+            return _causal_mask(mask.args[0], False, take)
+        if _is(mask, aten.triu.default) and (mask.args[1] if len(mask.args) > 1 else 0) == 1:
+            take(mask)
+            take(_expect(mask.args[0], aten.ones.default, what="ones() under triu"))
+            return
+        raise NoMatch("mask is not the complement of a causal mask")
+    take(_expect(mask, aten.tril.default, what="tril(ones) causal mask"))
+    if (mask.args[1] if len(mask.args) > 1 else 0) != 0:
+        raise NoMatch("tril with a diagonal offset")
+    take(_expect(mask.args[0], aten.ones.default, what="ones() under tril"))
+
+
+def _masked_logd(node, take):
+    """The unmasked log-decay matrix under a causal -inf mask."""
+    node = _skip_full_slices(node, take)
+    take(node)
+    if _is(node, aten.masked_fill.Scalar):
+        if node.args[2] != float("-inf"):
+            raise NoMatch("masked_fill value is not -inf")
+        _causal_mask(node.args[1], True, take)
+        return node.args[0]
+    if _is(node, aten.where.ScalarOther, aten.where.self):
+        other = node.args[2]
+        if isinstance(other, torch.fx.Node):
+            take(_expect(other, aten.full.default, aten.scalar_tensor.default, what="-inf fill"))
+            other = other.args[-1]
+        if other != float("-inf"):
+            raise NoMatch("where fill value is not -inf")
+        _causal_mask(node.args[0], False, take)
+        return node.args[1]
+    raise NoMatch("no causal -inf mask on the log-decay matrix")
+
+
+def _example_int(size) -> int | None:
+    """The size's value in this compile: a constant in the user's code (here 1/sqrt(8)) can only be
+    in the graph if Dynamo specialised that size, so comparing against its example value is sound."""
+    if isinstance(size, int):
+        return size
+    hint = getattr(getattr(size, "node", None), "hint", None)
+    return int(hint) if hint is not None else None
+
+
+def _symbolic_equal(node, dk_size, power: float) -> bool:
+    """A SymFloat node whose expression is exactly dk_size ** power, for every size."""
+    import sympy
+
+    v = val(node) if isinstance(node, torch.fx.Node) else None
+    expr = getattr(getattr(v, "node", None), "expr", None)
+    dk_expr = getattr(getattr(dk_size, "node", None), "expr", dk_size)
+    if expr is None:
+        return False
+    # torch wraps float math in its own sympy functions; map the ones a scale uses to plain sympy
+    plain = {"OpaqueUnaryFn_sqrt": lambda a: sympy.sqrt(a), "ToFloat": lambda a: a,
+             "FloatPow": lambda a, b: a ** b, "FloatTrueDiv": lambda a, b: a / b, "PowByNatural": lambda a, b: a ** b}
+    for name, fn in plain.items():
+        expr = expr.replace(lambda e, n=name: type(e).__name__ == n, lambda e, f=fn: f(*e.args))
+    try:
+        return sympy.simplify(expr - sympy.Pow(dk_expr, sympy.Rational(power).limit_denominator(4))) == 0
+    except (TypeError, ValueError):
+        return False
+
+
+def _scale_value(s, dk_size):
+    """True when `s` (a number, or a symbolic expression of the head-dim size) is 1/sqrt(DQK)."""
+    if isinstance(s, torch.fx.Node):
+        return _symbolic_equal(s, dk_size, -0.5)
+    dk = _example_int(dk_size)
+    return isinstance(s, numbers.Number) and dk is not None and math.isclose(float(s), dk ** -0.5, rel_tol=1e-6)
+
+
+def _scale_divisor(s, dk_size) -> bool:
+    """True when dividing by `s` (a number or sqrt of the head-dim size) means multiplying by 1/sqrt(DQK)."""
+    if isinstance(s, numbers.Number):
+        dk = _example_int(dk_size)
+        return dk is not None and math.isclose(float(s), dk ** 0.5, rel_tol=1e-6)
+    if isinstance(s, torch.fx.Node):
+        return _symbolic_equal(s, dk_size, 0.5)
+    return False
+
+
+def _strip_scale(node, dk_size):
+    """(node without a 1/sqrt(DQK) factor, whether one was removed)."""
+    if _is(node, aten.div.Tensor) and _scale_divisor(node.args[1], dk_size):
+        return node.args[0], True
+    if _is(node, aten.mul.Tensor):
+        for x, y in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+            if _scale_value(y, dk_size):
+                return x, True
+    return node, False
+
+
+def _transposed(node):
+    if _is(node, aten.transpose.int) and {d % 4 for d in node.args[1:3]} == {2, 3}:
+        return node.args[0]
+    if _is(node, aten.permute.default) and list(node.args[1]) in ([0, 1, 3, 2], [-4, -3, -1, -2]):
+        return node.args[0]
+    raise NoMatch("k is not transposed in its last two dims")
+
+
+def match(h: torch.fx.Node):
+    """Walk back from a candidate output matmul; return (inputs dict, eps, pattern nodes)."""
+    seen: list[torch.fx.Node] = []
+
+    def take(n):
+        seen.append(n)
+        return n
+
+    _expect(h, aten.matmul.default, what="the output matmul")
+    take(h)
+    x, v = h.args[0], h.args[1]
+    div = take(_expect(x, aten.div.Tensor, what="C / (n + eps)"))
+    C, den = div.args[0], div.args[1]
+    add = take(_expect(den, aten.add.Tensor, what="n + eps"))
+    (n, eps) = (add.args[0], add.args[1]) if isinstance(add.args[0], torch.fx.Node) else (add.args[1], add.args[0])
+    if not isinstance(eps, numbers.Number):
+        raise NoMatch("eps is not a constant (a Python float made dynamic? mark it constant)")
+    mx = take(_expect(n, aten.maximum.default, what="maximum(|sum C|, exp(-m))"))
+
+    def abs_sum(node):
+        a = _expect(node, aten.abs.default, what="abs")
+        s = _expect(a.args[0], aten.sum.dim_IntList, what="sum over the last dim")
+        if s.args[0] is not C or not _dims(s, [-1]) or not (s.args[2] if len(s.args) > 2 else s.kwargs.get("keepdim")):
+            raise NoMatch("normalizer is not |C.sum(-1, keepdim=True)|")
+        return a, s
+
+    (a, s), e = _either(mx, abs_sum)
+    take(a), take(s)
+    take(_expect(e, aten.exp.default, what="exp(-m)"))
+    neg = take(_expect(e.args[0], aten.neg.default, what="-m"))
+    m = neg.args[0]
+    mul = take(_expect(C, aten.mul.Tensor, what="C = qk * D"))
+
+    def decay(node):
+        ex = _expect(node, aten.exp.default, what="D = exp(logD - m)")
+        sub = _expect(ex.args[0], aten.sub.Tensor, what="logD - m")
+        if sub.args[1] is not m:
+            raise NoMatch("D is not stabilized by the same m")
+        return ex, sub
+
+    (ex, sub), qk = _either(mul, decay)
+    take(ex), take(sub)
+    logD = sub.args[0]
+    amax = take(_expect(m, aten.amax.default, what="m = amax(logD, -1, keepdim=True)"))
+    if amax.args[0] is not logD or not _dims(amax, [-1]) or not (amax.args[2] if len(amax.args) > 2 else False):
+        raise NoMatch("m is not logD.amax(-1, keepdim=True)")
+    raw = _masked_logd(logD, take)
+    plus_i = take(_expect(raw, aten.add.Tensor, what="pairwise gate sums + i"))
+
+    def pairwise(node):
+        d = _expect(node, aten.sub.Tensor, what="Fc[:, None] - Fc[None, :]")
+        views: list = []
+        a0 = _unsqueezed(d.args[0], -1, views.append)
+        a1 = _unsqueezed(d.args[1], -2, views.append)
+        if a0 is not a1:
+            raise NoMatch("pairwise difference of two different cumsums")
+        return d, a0, views
+
+    (d, Fc, views), igate = _either(plus_i, pairwise)
+    take(d)
+    for n in views:
+        take(n)
+    i = _unsqueezed(igate, -2, take)
+    cs = take(_expect(Fc, aten.cumsum.default, what="cumsum of logsigmoid(f)"))
+    if cs.args[1] % val(cs).dim() != val(cs).dim() - 1:
+        raise NoMatch("cumsum not over the sequence (last) dim")
+    ls = take(_expect(cs.args[0], aten.log_sigmoid.default, what="logsigmoid(f)"))
+    f = ls.args[0]
+    # q k^T with exactly one 1/sqrt(DQK): on the product, on q or on k
+    mm, scaled = qk, False
+    if not _is(qk, aten.matmul.default):
+        inner = [a for a in qk.args[:2] if _is(a, aten.matmul.default)] if _is(qk, aten.div.Tensor, aten.mul.Tensor) else []
+        if not inner:
+            raise NoMatch("expected q @ k^T, optionally scaled")
+        stripped, scaled = _strip_scale(qk, val(inner[0].args[0]).shape[-1])
+        if not scaled or stripped is not inner[0]:
+            raise NoMatch("q k^T is scaled by something other than 1/sqrt(DQK)")
+        take(qk)
+        mm = inner[0]
+    take(mm)
+    qn, kt = mm.args[0], mm.args[1]
+    dk = val(qn).shape[-1]
+    if not scaled:
+        qn2, scaled = _strip_scale(qn, dk)
+        if scaled:
+            take(qn)
+            qn = qn2
+    k = _transposed(kt)
+    take(kt)
+    if not scaled:
+        k2, scaled = _strip_scale(k, dk)
+        if scaled:
+            take(k)
+            k = k2
+    if not scaled:
+        raise NoMatch("no 1/sqrt(DQK) scale on q k^T")
+    q = qn
+    inputs = dict(q=q, k=k, v=v, i=i, f=f)
+    for name, node in inputs.items():
+        t = val(node)
+        want = 4 if name in "qkv" else 3
+        if not isinstance(t, torch.Tensor) or t.dim() != want or not t.dtype.is_floating_point:
+            raise NoMatch(f"{name} is not a {want}-D float tensor")
+    if val(q).dtype != val(k).dtype or val(q).dtype != val(v).dtype:
+        raise NoMatch("q, k, v dtypes differ")
+    return inputs, float(eps), seen
+
+
+def run(gm: torch.fx.GraphModule, report: GraphReport, training: bool) -> None:
+    graph = gm.graph
+    for h in [n for n in graph.nodes if _is(n, aten.matmul.default)]:
+        if h.graph is not graph or h not in set(graph.nodes):
+            continue
+        starts_like_mlstm = False
+        try:
+            inputs, eps, nodes = match(h)
+        except NoMatch as e:
+            # report only graphs that look like an mLSTM: a logsigmoid cumsum upstream of h
+            anc, todo = set(), [h]
+            while todo and not starts_like_mlstm:
+                n = todo.pop()
+                for a in n.all_input_nodes:
+                    if a not in anc:
+                        anc.add(a)
+                        todo.append(a)
+                        starts_like_mlstm |= _is(a, aten.log_sigmoid.default)
+            if starts_like_mlstm:
+                report.fallbacks.append(Fallback(FAMILY, f"parallel mLSTM form not recognized: {e}", location(h)))
+            continue
+        region = set(nodes) - set(inputs.values())
+        escaped = [n.name for n in region if n is not h and any(u not in region for u in n.users)]
+        if escaped:
+            report.fallbacks.append(Fallback(FAMILY, f"mLSTM intermediates used elsewhere: {', '.join(escaped[:3])}",
+                                             location(h)))
+            continue
+        args = (inputs["q"], inputs["k"], inputs["v"], inputs["i"], inputs["f"], None, None, None, eps, CHUNK)
+        with graph.inserting_before(h):
+            fused = graph.call_function(torch.ops.xaccel.mlstm.default, args)
+            out = graph.call_function(operator.getitem, (fused, 0))
+        fake_mode = getattr(val(inputs["q"]), "fake_mode", None)
+        if fake_mode is not None:
+            with fake_mode:
+                fakes = torch.ops.xaccel.mlstm.default(*[val(a) if isinstance(a, torch.fx.Node) else a for a in args])
+            fused.meta["val"], out.meta["val"] = fakes, fakes[0].to(val(h).dtype)
+        if h.meta.get("stack_trace"):
+            out.meta["stack_trace"] = h.meta["stack_trace"]
+        if val(h).dtype != val(inputs["q"]).dtype:
+            graph.erase_node(out)
+            graph.erase_node(fused)
+            report.fallbacks.append(Fallback(FAMILY, "output dtype differs from q's", location(h)))
+            continue
+        h.replace_all_uses_with(out)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        for n in sorted(region, key=order.__getitem__, reverse=True):
+            if not n.users:
+                graph.erase_node(n)
+        report.replacements.append(Replacement(FAMILY, "xaccel.mlstm", "parallel stabilized form", location(h)))
