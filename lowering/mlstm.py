@@ -194,8 +194,17 @@ def _transposed(node):
 
 
 def match(h: torch.fx.Node):
-    """Walk back from a candidate output matmul; return (inputs dict, eps, pattern nodes)."""
+    """Walk back from a candidate output matmul; return (inputs dict, eps, pattern nodes).
+    A NoMatch carries `.depth`, how many pattern nodes held before the failing step."""
     seen: list[torch.fx.Node] = []
+    try:
+        return _match(h, seen)
+    except NoMatch as e:
+        e.depth = len(seen)
+        raise
+
+
+def _match(h: torch.fx.Node, seen: list):
 
     def take(n):
         seen.append(n)
@@ -303,24 +312,17 @@ def match(h: torch.fx.Node):
 
 def run(gm: torch.fx.GraphModule, report: GraphReport, training: bool) -> None:
     graph = gm.graph
+    misses: dict = {}  # logsigmoid node -> (depth, reason, where): one report per would-be mLSTM
+    gone: set = set()
     for h in [n for n in graph.nodes if _is(n, aten.matmul.default)]:
-        if h.graph is not graph or h not in set(graph.nodes):
+        if h in gone:
             continue
-        starts_like_mlstm = False
         try:
             inputs, eps, nodes = match(h)
         except NoMatch as e:
-            # report only graphs that look like an mLSTM: a logsigmoid cumsum upstream of h
-            anc, todo = set(), [h]
-            while todo and not starts_like_mlstm:
-                n = todo.pop()
-                for a in n.all_input_nodes:
-                    if a not in anc:
-                        anc.add(a)
-                        todo.append(a)
-                        starts_like_mlstm |= _is(a, aten.log_sigmoid.default)
-            if starts_like_mlstm:
-                report.fallbacks.append(Fallback(FAMILY, f"parallel mLSTM form not recognized: {e}", location(h)))
+            ls = _logsigmoid_upstream(h)
+            if ls is not None and e.depth >= misses.get(ls, (-1,))[0]:
+                misses[ls] = (e.depth, str(e), location(h))
             continue
         region = set(nodes) - set(inputs.values())
         escaped = [n.name for n in region if n is not h and any(u not in region for u in n.users)]
@@ -349,4 +351,23 @@ def run(gm: torch.fx.GraphModule, report: GraphReport, training: bool) -> None:
         for n in sorted(region, key=order.__getitem__, reverse=True):
             if not n.users:
                 graph.erase_node(n)
+                gone.add(n)
         report.replacements.append(Replacement(FAMILY, "xaccel.mlstm", "parallel stabilized form", location(h)))
+        for ls in [n for n in misses if n in gone]:
+            del misses[ls]  # its mLSTM was matched from another candidate
+    for depth, reason, where in misses.values():
+        report.fallbacks.append(Fallback(FAMILY, f"mLSTM-like code (a logsigmoid of a gate) not in a recognized form; "
+                                                 f"closest candidate failed at: {reason}", where))
+
+
+def _logsigmoid_upstream(h: torch.fx.Node):
+    """The first logsigmoid among h's ancestors (what makes a graph look like an mLSTM), or None."""
+    seen, todo = set(), [h]
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a not in seen:
+                if _is(a, aten.log_sigmoid.default):
+                    return a
+                seen.add(a)
+                todo.append(a)
+    return None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import textwrap
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -67,11 +68,16 @@ class Report:
         rows += [("runtime", e.op, f"{e.reason} [kernel {e.provider.rsplit('.', 1)[-1]}]", e.key[:40])
                  for e in self.runtime_fallbacks]
         if rows:
-            widths = [max(len(str(r[i])) for r in rows + [("what", "family", "detail", "where")]) for i in range(3)]
-            widths = [min(w, 70) for w in widths]
             head = ("what", "family", "detail", "where")
-            fmt = lambda r: "  " + "  ".join(str(c)[:w].ljust(w) for c, w in zip(r[:3], widths)) + "  " + str(r[3])
-            lines += [fmt(head), "  " + "-" * (sum(widths) + 12)] + [fmt(r) for r in rows]
+            widths = [min(max(len(str(r[i])) for r in rows + [head]), 70) for i in range(3)]
+
+            def fmt(r):  # long details wrap onto continuation lines instead of being cut
+                parts = textwrap.wrap(str(r[2]), widths[2]) or [""]
+                first = "  " + "  ".join(str(c).ljust(w) for c, w in zip((r[0], r[1], parts[0]), widths)) + "  " + str(r[3])
+                pad = " " * (widths[0] + widths[1] + 6)
+                return [first] + [pad + p for p in parts[1:]]
+
+            lines += fmt(head) + ["  " + "-" * (sum(widths) + 12)] + [ln for r in rows for ln in fmt(r)]
         return "\n".join(lines)
 
 
