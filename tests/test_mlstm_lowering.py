@@ -115,3 +115,14 @@ def test_patterns_switch_excludes_mlstm(xaccel_env):
     xaccel_env(XACCEL_PATTERNS="gemm_epilogue")
     report = check_compiled(masked_fill_style, _inputs())
     assert report.counts()["mlstm"] == 0
+
+
+def test_bf16_parallel_form_runs_in_fp32_and_is_closer_to_the_truth_than_eager():
+    x = [t.detach() for t in _inputs(S=64, seed=7)]
+    truth = masked_fill_style(*(t.double() for t in x))
+    xb = [t.bfloat16() for t in x]
+    eager = masked_fill_style(*xb)
+    compiled = torch.compile(masked_fill_style, backend="xaccel")(*xb)
+    assert compiled.dtype == torch.bfloat16
+    err_c, err_e = ((compiled.double() - truth).norm() / truth.norm()).item(), ((eager.double() - truth).norm() / truth.norm()).item()
+    assert err_c < 1e-2 and err_c < err_e

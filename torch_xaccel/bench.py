@@ -1,6 +1,6 @@
 """Side-by-side timings on the GPU, every path measured in one run:
 
-    python -m torch_xaccel.bench gemm|mlstm [--out DIR] [--quick] [--no-max-autotune] [--only TEXT]
+    python -m torch_xaccel.bench gemm|mlstm|model [--out DIR] [--quick] [--no-max-autotune] [--only TEXT]
 
 Prints one table (xaccel, eager, Inductor default, Inductor max-autotune, the cuBLAS matmuls
 alone) with times, TFLOP/s and ratios, checks xaccel against an fp32 reference, and writes
@@ -26,7 +26,7 @@ class Case:
     flop: float
     make: Callable  # () -> (fn, args, cublas_only_fn)
     train: bool = False
-    runner: str = "compile"  # "compile": eager vs torch.compile paths; "mlstm": op-level kernels
+    runner: str = "compile"  # "compile": eager vs torch.compile paths; "mlstm": op-level kernels; "model": xLSTMLarge
     graphs: bool = False  # also time CUDA-graph replays (decode shapes: CPU launch cost hidden)
     rows: list = field(default_factory=list)
 
@@ -170,9 +170,71 @@ def run_mlstm_case(case: Case) -> list:
     return rows
 
 
+def xlstm_model(B=4, S=2048, quick=False):
+    """xLSTMLarge at 7B widths (embedding 4096, 8 heads, 4 blocks, vocab 50304), bf16: prefill and
+    a train step, for the xlstm package's Triton configuration (the anchor) and its native
+    configuration compiled with backend="xaccel"."""
+    dims = dict(embedding_dim=1024, num_heads=4, num_blocks=2) if quick else dict(embedding_dim=4096, num_heads=8, num_blocks=4)
+    return Case(f"xLSTMLarge {dims['embedding_dim']}x{dims['num_blocks']} B{B} S{S} bf16", B * S,
+                lambda: (dims, B, S), runner="model")
+
+
+def run_model_case(case: Case) -> list:
+    """Rows per configuration: prefill (inference mode) and train step (fwd + bwd + CE loss), with
+    first-call (compile) time. 'TFLOP/s' here is k tokens/s."""
+    import torch._dynamo
+    from xlstm.xlstm_large.model import xLSTMLarge, xLSTMLargeConfig
+
+    (dims, B, S), rows = case.make(), []
+    tokens = torch.randint(0, 50304, (B, S), device="cuda")
+
+    def add(path, ms, extra=""):
+        rows.append(dict(case=case.name, path=path, ms=ms, tflops=case.flop / ms / 1e3, extra=extra))
+        print(f"  {path:44s} {ms:9.3f} ms  {case.flop / ms:8.0f} k tok/s  {extra}", flush=True)
+
+    configs = {
+        "xlstm Triton kernels (anchor)": dict(chunkwise_kernel="chunkwise--triton_limit_chunk",
+                                              sequence_kernel="native_sequence__triton", step_kernel="triton"),
+        "native kernels + xaccel": dict(chunkwise_kernel="chunkwise--native_autograd",
+                                        sequence_kernel="native_sequence__native", step_kernel="native"),
+    }
+    for name, kernels in configs.items():
+        for mode in ("inference", "train"):
+            torch._dynamo.reset()
+            try:
+                cfg = xLSTMLargeConfig(vocab_size=50304, chunk_size=64, mode=mode, return_last_states=False,
+                                       **dims, **kernels)
+                torch.manual_seed(0)
+                model = xLSTMLarge(cfg).to("cuda", torch.bfloat16)
+                fn = torch.compile(model, backend="xaccel") if "xaccel" in name else model
+                if mode == "inference":
+                    def run():
+                        with torch.inference_mode():
+                            return fn(tokens)
+                else:
+                    def run():
+                        model.zero_grad(set_to_none=True)
+                        logits = fn(tokens)
+                        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+                t0 = time.perf_counter()
+                run()
+                torch.cuda.synchronize()
+                first = time.perf_counter() - t0
+                add(f"{name}, {'prefill' if mode == 'inference' else 'train step'}", _bench(run, True),
+                    f"first call {first:.1f}s")
+            except Exception as e:  # noqa: BLE001 - a configuration that fails is a finding
+                print(f"  {name}, {mode}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+            torch.cuda.empty_cache()
+    base = rows[0]["ms"] if rows else 1.0
+    for r in rows:
+        r["vs_cublas"], r["vs_xaccel"] = r["ms"] / base, r["ms"] / base
+    return rows
+
+
 SUITES = {
     "gemm": lambda quick: ([gelu_residual(4096 if quick else 16384), gelu_residual(128), swiglu(4096 if quick else 16384),
                             mlp_train(4096 if quick else 16384)]),
+    "model": lambda quick: [xlstm_model(quick=quick) if not quick else xlstm_model(B=2, S=512, quick=True)],
     "mlstm": lambda quick: [mlstm_fwd(8, 16, 2048 if quick else 8192, 128, 128), mlstm_fwd(8, 8, 1024 if quick else 4096, 256, 512)],
 }
 
@@ -301,7 +363,8 @@ def main(argv=None) -> int:
     for case in SUITES[args.suite](args.quick):
         if args.only not in case.name:
             continue
-        rows += run_mlstm_case(case) if case.runner == "mlstm" else run_case(case, not args.no_max_autotune)
+        runner = {"mlstm": run_mlstm_case, "model": run_model_case}.get(case.runner)
+        rows += runner(case) if runner else run_case(case, not args.no_max_autotune)
         torch.cuda.empty_cache()
     md = markdown(rows, header)
     print("\n" + md)
