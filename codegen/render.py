@@ -31,13 +31,14 @@ _LOAD = {
 }
 
 
-def epilogue_lines(ep: Epilogue) -> list[str]:
-    """One assignment per IR node: v<i> = ...; repeated loads of one operand are read once."""
+def epilogue_lines(ep: Epilogue, acc_suffix: str = "") -> list[str]:
+    """One assignment per IR node: v<i> = ...; repeated loads of one operand are read once.
+    acc_suffix picks the accumulator tile the chain reads (acc0_a: the first half of a sub-tiled tile)."""
     lines, loaded = [], {}
     for i, n in enumerate(ep.nodes):
         op = n["op"]
         if op == "acc":
-            expr = f"acc{n['index']}"
+            expr = f"acc{n['index']}{acc_suffix}"
         elif op == "const":
             expr = repr(float(n["value"]))
         elif op == "load":
@@ -53,24 +54,28 @@ def epilogue_lines(ep: Epilogue) -> list[str]:
     return lines
 
 
-VARIANTS = {"ptr": "gemm_epilogue.py.jinja", "tma": "gemm_epilogue_tma.py.jinja"}
+# tma2: the persistent TMA kernel whose epilogue runs on two BLOCK_N/2 halves of the tile in turn,
+# halving the registers the chain's temporaries need next to the accumulator
+VARIANTS = {"ptr": "gemm_epilogue.py.jinja", "tma": "gemm_epilogue_tma.py.jinja", "tma2": "gemm_epilogue_tma.py.jinja"}
 
 
 def render_gemm_epilogue(ep: Epilogue, n_operands: int, input_precision: str, variant: str = "ptr",
-                         b_transposed: bool = True, k_constexpr: bool = False) -> tuple[str, str]:
+                         b_transposed: bool = True, sizes_constexpr: bool = False) -> tuple[str, str]:
     """(kernel name, Python source). variant "ptr": one tile per program, pointer loads (any
-    strides, runs in Triton's interpreter); "tma": persistent, tensor-descriptor loads (Hopper).
-    k_constexpr makes K a compile-time constant: Triton 3.6's interpreter cannot loop to a
-    run-time bound under NumPy 2 (it hands scalars over as 1-element arrays).
+    strides); "tma": persistent, tensor-descriptor loads (Hopper); "tma2": tma with the epilogue
+    on two half tiles. All run in Triton's interpreter too.
+    sizes_constexpr makes M, N, K compile-time constants: Triton 3.6's interpreter cannot loop to
+    a run-time bound under NumPy 2 (it hands scalars over as 1-element arrays).
     The name carries a hash of everything that shapes the source."""
-    digest = hashlib.sha256(f"{ep.to_json()}|{n_operands}|{input_precision}|{variant}|{b_transposed}|{k_constexpr}"
+    digest = hashlib.sha256(f"{ep.to_json()}|{n_operands}|{input_precision}|{variant}|{b_transposed}|{sizes_constexpr}"
                             .encode()).hexdigest()[:12]
     name = f"gemm_epilogue_{ep.num_accs}x_{variant}_{digest}"
     src = _ENV.get_template(VARIANTS[variant]).render(
         kernel_name=name, n_gemms=ep.num_accs, n_operands=n_operands, n_outputs=len(ep.outputs),
         description=ep.describe(), epilogue_json=ep.to_json(), epilogue_lines=epilogue_lines(ep),
         outputs=[(k, f"v{o}") for k, o in enumerate(ep.outputs)], input_precision=input_precision,
-        b_transposed=b_transposed, k_constexpr=k_constexpr)
+        b_transposed=b_transposed, sizes_constexpr=sizes_constexpr, subtile=variant == "tma2",
+        lines_a=epilogue_lines(ep, "_a"), lines_b=epilogue_lines(ep, "_b"))
     return name, src
 
 

@@ -18,21 +18,23 @@ from . import cache
 from .render import render_gemm_epilogue, template_digest
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# (variant, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, flatten, warp_specialize)
-#   ptr: one tile per program, pointer loads;  tma: persistent, tensor-descriptor loads (Hopper)
-#   warp_specialize=1 hung the GPU on Triton 3.6 (H200, 128x256x64, 8 warps): keep it out of the lists
-LARGE = [("tma", 128, 256, 64, 8, 8, 3, 1, 0), ("tma", 128, 256, 64, 8, 8, 4, 0, 0), ("tma", 128, 256, 64, 8, 8, 3, 0, 0),
-         ("tma", 256, 128, 64, 8, 8, 3, 1, 0), ("tma", 128, 128, 64, 8, 8, 4, 1, 0), ("tma", 128, 128, 64, 8, 4, 4, 1, 0),
-         ("ptr", 128, 256, 64, 8, 8, 3, 0, 0), ("ptr", 128, 128, 64, 8, 4, 4, 0, 0)]
-SMALL_M = [("ptr", 128, 64, 128, 8, 4, 4, 0, 0), ("ptr", 128, 32, 128, 8, 4, 5, 0, 0), ("ptr", 128, 64, 64, 8, 4, 6, 0, 0),
-           ("ptr", 64, 64, 128, 8, 4, 4, 0, 0), ("ptr", 64, 128, 64, 8, 4, 4, 0, 0), ("ptr", 32, 64, 128, 8, 4, 4, 0, 0),
-           ("ptr", 64, 32, 256, 8, 4, 3, 0, 0), ("tma", 128, 64, 128, 8, 4, 4, 0, 0), ("tma", 128, 32, 128, 8, 4, 6, 0, 0),
-           ("tma", 64, 64, 128, 8, 4, 5, 0, 0)]
-DUAL = [("tma", 128, 128, 64, 8, 8, 3, 1, 0), ("tma", 128, 128, 64, 8, 8, 4, 0, 0), ("tma", 128, 128, 64, 8, 8, 3, 0, 0),
-        ("tma", 256, 128, 64, 8, 8, 3, 1, 0),
-        ("ptr", 128, 128, 64, 8, 8, 3, 0, 0), ("ptr", 128, 64, 64, 8, 4, 4, 0, 0)]
-FP32 = [("ptr", 128, 128, 32, 8, 8, 3, 0, 0), ("ptr", 64, 128, 32, 8, 4, 4, 0, 0), ("ptr", 64, 64, 32, 8, 4, 4, 0, 0)]
-INTERPRETER = ("ptr", 32, 32, 32, 4, 4, 1, 0, 0)
+# (variant, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, flatten)
+#   ptr: one tile per program, pointer loads;  tma: persistent, tensor-descriptor loads (Hopper);
+#   tma2: tma with the epilogue run on two half tiles (fewer live registers next to the accumulator)
+#   Not here on purpose: tl.range(warp_specialize=True) hung the H200 on Triton 3.6 (128x256x64, 8 warps).
+LARGE = [("tma", 128, 256, 64, 8, 8, 3, 1), ("tma", 128, 256, 64, 8, 8, 4, 0), ("tma", 128, 256, 64, 8, 8, 3, 0),
+         ("tma", 256, 128, 64, 8, 8, 3, 1), ("tma", 128, 128, 64, 8, 8, 4, 1), ("tma", 128, 128, 64, 8, 4, 4, 1),
+         ("tma2", 128, 256, 64, 8, 8, 3, 1), ("tma2", 128, 256, 64, 8, 8, 4, 1), ("tma2", 256, 128, 64, 8, 8, 3, 1),
+         ("ptr", 128, 256, 64, 8, 8, 3, 0), ("ptr", 128, 128, 64, 8, 4, 4, 0)]
+SMALL_M = [("ptr", 128, 64, 128, 8, 4, 4, 0), ("ptr", 128, 32, 128, 8, 4, 5, 0), ("ptr", 128, 64, 64, 8, 4, 6, 0),
+           ("ptr", 64, 64, 128, 8, 4, 4, 0), ("ptr", 64, 128, 64, 8, 4, 4, 0), ("ptr", 32, 64, 128, 8, 4, 4, 0),
+           ("ptr", 64, 32, 256, 8, 4, 3, 0), ("tma", 128, 64, 128, 8, 4, 4, 0), ("tma", 128, 32, 128, 8, 4, 6, 0),
+           ("tma", 64, 64, 128, 8, 4, 5, 0)]
+DUAL = [("tma", 128, 128, 64, 8, 8, 3, 1), ("tma", 128, 128, 64, 8, 8, 4, 0), ("tma", 128, 128, 64, 8, 8, 3, 0),
+        ("tma", 256, 128, 64, 8, 8, 3, 1), ("tma2", 128, 128, 64, 8, 8, 4, 0), ("tma2", 128, 128, 64, 8, 8, 3, 1),
+        ("ptr", 128, 128, 64, 8, 8, 3, 0), ("ptr", 128, 64, 64, 8, 4, 4, 0)]
+FP32 = [("ptr", 128, 128, 32, 8, 8, 3, 0), ("ptr", 64, 128, 32, 8, 4, 4, 0), ("ptr", 64, 64, 32, 8, 4, 4, 0)]
+INTERPRETER = ("ptr", 32, 32, 32, 4, 4, 1, 0)
 
 
 def candidates(m: int, n_gemms: int, dtype: torch.dtype) -> list[tuple]:
@@ -51,7 +53,7 @@ def _kernel(epilogue: str, n_operands: int, precision: str, variant: str, b_tran
     key = (epilogue, n_operands, precision, variant, b_transposed, cache.interpreting())
     if key not in _KERNELS:
         name, src = render_gemm_epilogue(parse(epilogue), n_operands, precision, variant, b_transposed,
-                                         k_constexpr=cache.interpreting())
+                                         sizes_constexpr=cache.interpreting())
         _KERNELS[key] = name, getattr(cache.load_source(name, src), name)
     return _KERNELS[key]
 
@@ -113,7 +115,7 @@ class _Case:
         return cfg[0] == "ptr" or self.tma
 
     def launch(self, cfg, outs) -> None:
-        variant, bm, bn, bk, gm, warps, stages, flatten, ws = cfg
+        variant, bm, bn, bk, gm, warps, stages, flatten = cfg
         _, kernel = _kernel(self.epilogue, len(self.ops), self.precision, variant, self.b_transposed)
         tiles = triton_cdiv(self.M, bm) * triton_cdiv(self.N, bn)
         meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages)
@@ -128,7 +130,7 @@ class _Case:
         b_block = [bn, bk] if self.b_transposed else [bk, bn]
         b_descs = [TensorDescriptor(b, list(b.shape), list(b.stride()), b_block) for b in self.bs]
         kernel[(min(n_sms, tiles),)](a_desc, *b_descs, *self.ops, *outs, self.M, self.N, self.K, *self.op_strides,
-                                     self.N, 1, NUM_SMS=n_sms, FLATTEN=bool(flatten), WARP_SPECIALIZE=bool(ws), **meta)
+                                     self.N, 1, NUM_SMS=n_sms, FLATTEN=bool(flatten), **meta)
 
     @property
     def kernel_name(self) -> str:
