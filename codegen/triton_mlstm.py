@@ -71,7 +71,7 @@ def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
     return h, C, n, m
 
 
-def step(key, q, k, v, i, f, C, n, m, eps):
+def step(key, q, k, v, i, f, C, n, m, eps, scale_q=False):
     """Kernel path for xaccel::mlstm_step, or NotImplemented. Capturable in a CUDA graph (no host
     synchronisation, outputs allocated by the caching allocator)."""
     B, H, DK = q.shape
@@ -85,10 +85,11 @@ def step(key, q, k, v, i, f, C, n, m, eps):
     BV = min(DV, 64)
     key = ("step", cache.interpreting())
     if key not in _KERNELS:
-        name = "mlstm_step_" + hashlib.sha256(b"mlstm_step|v1").hexdigest()[:12]
+        name = "mlstm_step_" + hashlib.sha256(b"mlstm_step|v2").hexdigest()[:12]
         src = _ENV.get_template("mlstm_step.py.jinja").render(kernel_name=name)
         _KERNELS[key] = getattr(cache.load_source(name, src), name)
-    _KERNELS[key][(B * H, DV // BV)](q, k, v, i, f, C, n, m, h, C2, n2, m2, DK ** -0.5, eps, DK=DK, DV=DV, BV=BV)
+    q_scale, k_scale = (DK ** -0.5, 1.0) if scale_q else (1.0, DK ** -0.5)
+    _KERNELS[key][(B * H, DV // BV)](q, k, v, i, f, C, n, m, h, C2, n2, m2, q_scale, k_scale, eps, DK=DK, DV=DV, BV=BV)
     return h, C2, n2, m2
 
 

@@ -6,11 +6,14 @@ from typing import Callable
 
 import torch.fx
 
-from . import gemm_epilogue, mlstm
+from . import gemm_epilogue, mlstm, mlstm_step
 
 # family -> pass(gm, graph_report, training); order matters: larger patterns first once there are several.
 PASSES: dict[str, Callable[[torch.fx.GraphModule, object, bool], None]] = {
-    "mlstm": mlstm.run,  # first: its region holds matmuls the GEMM pass would otherwise take
+    # mLSTM passes first (their regions hold matmuls the GEMM pass would otherwise take); the step
+    # before the sequence form, so that steps it replaces are not reported as unrecognized mLSTMs
+    "mlstm_step": mlstm_step.run,
+    "mlstm": mlstm.run,
     "gemm_epilogue": gemm_epilogue.run,
 }
 FAMILIES_WITH_PASSES: tuple[str, ...] = tuple(PASSES)

@@ -49,10 +49,11 @@ def test_step_kernel_matches_reference_and_captures_in_a_cuda_graph(DK, DV):
          torch.randn(B, H, DV, device="cuda", dtype=torch.bfloat16), torch.randn(B, H, device="cuda"),
          torch.randn(B, H, device="cuda") + 3]
     state = [torch.randn(B, H, DK, DV, device="cuda") * .1, torch.randn(B, H, DK, device="cuda") * .1, torch.randn(B, H, device="cuda")]
-    got = torch.ops.xaccel.mlstm_step(*x, *state, 1e-6)
-    want = mlstm_step.reference(*(t.double() for t in x + state))
-    for g, w in zip(got, want):
-        assert rel_err(g, w) <= 1e-2
+    for scale_q in (False, True):
+        got = torch.ops.xaccel.mlstm_step(*x, *state, 1e-6, scale_q)
+        want = mlstm_step.reference(*(t.double() for t in x + state), scale_q=scale_q)
+        for g, w in zip(got, want):
+            assert rel_err(g, w) <= 1e-2
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = torch.ops.xaccel.mlstm_step(*x, *state, 1e-6)

@@ -31,11 +31,12 @@ SCRIPT = textwrap.dedent("""
     for B, H, DK, DV in [(2, 3, 16, 32), (1, 2, 64, 16)]:
         x = [torch.randn(B, H, DK), torch.randn(B, H, DK), torch.randn(B, H, DV), torch.randn(B, H), torch.randn(B, H) + 2,
              torch.randn(B, H, DK, DV) * .1, torch.randn(B, H, DK) * .1, torch.randn(B, H)]
-        got = triton_mlstm.step(None, *x, 1e-6)
-        want = mlstm_step.reference(*(t.double() for t in x))
-        errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want)]
-        print("step", (B, H, DK, DV), " ".join(f"{e:.1e}" for e in errs))
-        bad += any(e > 1e-5 for e in errs)
+        for scale_q in (False, True):
+            got = triton_mlstm.step(None, *x, 1e-6, scale_q)
+            want = mlstm_step.reference(*(t.double() for t in x), scale_q=scale_q)
+            errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want)]
+            print("step", (B, H, DK, DV), scale_q, " ".join(f"{e:.1e}" for e in errs))
+            bad += any(e > 1e-5 for e in errs)
     from torch_xaccel.ops.mlstm_backward import backward as analytic
     for B, H, S, DK, DV, with_state in [(1, 2, 37, 16, 32, False), (1, 1, 70, 32, 16, True)]:
         x = [torch.randn(B, H, S, DK), torch.randn(B, H, S, DK), torch.randn(B, H, S, DV), torch.randn(B, H, S),
@@ -56,4 +57,4 @@ def test_mlstm_forward_kernel_matches_reference_in_interpreter(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout.count("\n") == 10
+    assert proc.stdout.count("\n") == 12
