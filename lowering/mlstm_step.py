@@ -219,7 +219,14 @@ def run(gm: torch.fx.GraphModule, report: GraphReport, training: bool) -> None:
                                                      "op's (h in q's dtype, fp32 states)", location(h)))
             continue
         gate_rank = val(ins["i"]).dim()
-        with graph.inserting_before(h):
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        anchor = max(ins.values(), key=order.__getitem__)  # the op goes right after its last input
+        outside = [u for o in outs.values() for u in o.users if u not in region]
+        if any(order[u] <= order[anchor] for u in outside):
+            report.fallbacks.append(Fallback(FAMILY, "recurrent mLSTM step not replaced: a result is read before "
+                                                     "all of the step's inputs exist", location(h)))
+            continue
+        with graph.inserting_before(anchor.next):  # keeps the new nodes in creation order
             args = []
             for name in ("q", "k", "v", "i", "f", "C", "n", "m"):
                 x = ins[name]
