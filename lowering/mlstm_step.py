@@ -188,6 +188,7 @@ def match(h: torch.fx.Node):
 def run(gm: torch.fx.GraphModule, report: GraphReport, training: bool) -> None:
     graph = gm.graph
     gone: set = set()
+    placed: dict = {}  # xaccel.mlstm_step node -> its report entry
     for h in [n for n in graph.nodes if _is(n, aten.div.Tensor)]:
         if h in gone:
             continue
@@ -256,3 +257,133 @@ def run(gm: torch.fx.GraphModule, report: GraphReport, training: bool) -> None:
                 gone.add(n)
         report.replacements.append(Replacement(FAMILY, "xaccel.mlstm_step", "recurrent step (xlstm native form)",
                                                location(h)))
+        placed[fused] = report.replacements[-1]
+    folded = fuse_step_loops(gm, report)
+    drop = {id(placed[s]) for s in folded if s in placed}  # reported as part of a sequence launch instead
+    report.replacements[:] = [r for r in report.replacements if id(r) not in drop]
+
+
+# ---- a loop of steps over a sequence -> one chunkwise launch ------------------------------------
+
+def _strip_gate_views(node):
+    """select(I, 2, t) under the unsqueeze(-1)/squeeze(-1) pairs that [B, NH, 1] gates add."""
+    while _is(node, aten.squeeze.dim, aten.unsqueeze.default):
+        node = node.args[0]
+    return node
+
+
+def _timestep(node):
+    """(source [B, NH, S, ...] tensor, t) when node is source[:, :, t], else None."""
+    node = _strip_gate_views(node)
+    if _is(node, aten.select.int) and node.args[1] % val(node.args[0]).dim() == 2:
+        return node.args[0], node.args[2]
+    return None
+
+
+def _item(step, k):
+    """The getitem(step, k) node, or None."""
+    return next((u for u in step.users if u.target is operator.getitem and u.args[1] == k), None)
+
+
+def _follows(prev, step) -> bool:
+    """step's state inputs are exactly prev's state outputs."""
+    C, n, m = step.args[5], step.args[6], _strip_gate_views(step.args[7])
+    return (C is _item(prev, 1) and n is _item(prev, 2) and m is _item(prev, 3)
+            and len(C.users) == 1 and len(n.users) == 1)
+
+
+def _erase_dead_views(graph, nodes) -> None:
+    """Erase the slicing/view nodes that fed removed steps, now without users."""
+    todo = list(nodes)
+    while todo:
+        n = todo.pop()
+        if isinstance(n, torch.fx.Node) and not n.users and _is(n, aten.select.int, aten.squeeze.dim,
+                                                               aten.unsqueeze.default, aten.slice.Tensor):
+            todo.extend(n.all_input_nodes)
+            graph.erase_node(n)
+
+
+def fuse_step_loops(gm: torch.fx.GraphModule, report: GraphReport) -> set:
+    """Chains of xaccel.mlstm_step whose per-step inputs are consecutive time slices of the same
+    tensors become one xaccel.mlstm with the chain's initial state; each step's h becomes a slice
+    of the sequence output. The states convert between the step's scale_q convention and the
+    sequence op's (a factor sqrt(DQK)), once per sequence."""
+    graph = gm.graph
+    steps = [n for n in graph.nodes if n.target is torch.ops.xaccel.mlstm_step.default]
+    chains, used, folded = [], set(), set()
+    for s in steps:
+        if s in used:
+            continue
+        chain = [s]
+        while True:
+            nxt = [u for u in steps if u not in used and u not in chain and _follows(chain[-1], u)]
+            if len(nxt) != 1:
+                break
+            chain.append(nxt[0])
+        used.update(chain)
+        if len(chain) >= 2:
+            chains.append(chain)
+    for chain in chains:
+        srcs = []
+        for j, st in enumerate(chain):
+            ts = [_timestep(a) for a in st.args[:5]]
+            if any(t is None for t in ts):
+                break
+            srcs.append(ts)
+        if len(srcs) != len(chain):
+            continue
+        tensors = [t[0] for t in srcs[0]]
+        t0 = srcs[0][0][1]
+        if any(not isinstance(x[1], int) for ts in srcs for x in ts) or any(
+                [x[0] for x in ts] != tensors or any(x[1] != t0 + j for x in ts) for j, ts in enumerate(srcs)):
+            continue
+        if len({(st.args[8], st.args[9]) for st in chain}) != 1:
+            continue
+        h_users = [u for st in chain if _item(st, 0) is not None for u in _item(st, 0).users]
+        if any(getattr(getattr(u.target, "_schema", None), "is_mutable", False) for u in h_users):
+            continue  # each h_t would become a view of one sequence output: no in-place writes to them
+        eps, scale_q = chain[0].args[8], chain[0].args[9]
+        L, dk = len(chain), _example_int(val(tensors[0]).shape[-1])
+        if dk is None:
+            continue
+        first, last = chain[0], chain[-1]
+        to_ours, to_theirs = (dk ** -0.5, dk ** 0.5) if scale_q else (1.0, 1.0)
+        with graph.inserting_before(first):
+            seq_in = [graph.call_function(aten.slice.Tensor, (t, 2, t0, t0 + L)) for t in tensors]
+            C0 = graph.call_function(aten.mul.Tensor, (first.args[5], to_ours))
+            n0 = graph.call_function(aten.mul.Tensor, (first.args[6], to_ours))
+            fused = graph.call_function(torch.ops.xaccel.mlstm.default, (*seq_in, C0, n0, first.args[7], eps, 64))
+            H = graph.call_function(operator.getitem, (fused, 0))
+            outs = [graph.call_function(aten.mul.Tensor, (graph.call_function(operator.getitem, (fused, 1)), to_theirs)),
+                    graph.call_function(aten.mul.Tensor, (graph.call_function(operator.getitem, (fused, 2)), to_theirs)),
+                    graph.call_function(operator.getitem, (fused, 3))]
+            hs = [graph.call_function(aten.select.int, (H, 2, j)) for j in range(L)]
+        fake_mode = getattr(val(tensors[0]), "fake_mode", None)
+        if fake_mode is not None:  # meta for later passes (a GEMM may read h)
+            with fake_mode:
+                for node in [*seq_in, C0, n0]:
+                    node.meta["val"] = node.target(*[val(a) if isinstance(a, torch.fx.Node) else a for a in node.args])
+                fakes = fused.target(*[val(a) if isinstance(a, torch.fx.Node) else a for a in fused.args])
+                fused.meta["val"], H.meta["val"] = fakes, fakes[0]
+                for j, hj in enumerate(hs):
+                    hj.meta["val"] = fakes[0].select(2, j)
+        for j, st in enumerate(chain):
+            h_item = _item(st, 0)
+            if h_item is not None:
+                h_item.replace_all_uses_with(hs[j])
+        for k, node in enumerate(outs):
+            item = _item(last, k + 1)
+            if item is not None:
+                item.replace_all_uses_with(node)
+        for st in reversed(chain):  # the old steps, their now-unused getitems and input views
+            for u in list(st.users):
+                if not u.users:
+                    graph.erase_node(u)
+            if not st.users:
+                args = st.all_input_nodes
+                graph.erase_node(st)
+                _erase_dead_views(graph, args)
+                folded.add(st)
+        report.replacements.append(Replacement("mlstm", "xaccel.mlstm", f"loop of {L} recurrent steps -> one launch",
+                                               location(first)))
+    return folded

@@ -1,5 +1,6 @@
-"""The xlstm package's native recurrent step (decoding), called in a Python loop, becomes one
-xaccel.mlstm_step per step; results, states and gradients equal eager."""
+"""The xlstm package's native recurrent step: a loop of steps over given inputs (prefill written as
+steps) becomes one xaccel.mlstm launch; a loop whose next input depends on the last output
+(decoding) keeps one xaccel.mlstm_step per step. Results, states and gradients equal eager."""
 import pytest
 import torch
 
@@ -24,10 +25,31 @@ def _inputs(B=2, NH=3, S=4, DK=8, DV=16, seed=0, grad=True):
             mk(B, NH, S, DV), mk(B, NH, S), (torch.randn(B, NH, S, generator=g) + 2).requires_grad_(grad)]
 
 
-def test_native_step_loop_replaced_step_by_step_and_equal():
+def test_step_loop_over_a_sequence_becomes_one_launch():
     report = check_compiled(decode_loop, _inputs(), tol=1e-5)
-    assert report.counts()["mlstm_step"] == 4, str(report)
-    assert report.counts()["mlstm"] == 0 and not [f for f in report.fallbacks if f.family.startswith("mlstm")]
+    assert report.counts()["mlstm"] == 1 and report.counts()["mlstm_step"] == 0, str(report)
+    assert "loop of 4 recurrent steps" in report.replacements[0].pattern
+    assert not [f for f in report.fallbacks if f.family.startswith("mlstm")]
+
+
+def generate(C, n, m, q, k, v, i, f, w):
+    """Decoding: each step's input is computed from the previous output."""
+    outs = []
+    for _ in range(3):
+        h, (C, n, m) = native_step.mlstm_recurrent_step__native_fw(C, n, m, q, k, v, i, f)
+        outs.append(h)
+        q = torch.tanh(h @ w)  # next query from this token's output
+    return torch.stack(outs, 2), C, n, m
+
+
+def test_decoding_loop_keeps_one_step_op_per_token():
+    g = torch.Generator().manual_seed(2)
+    mk = lambda *s: torch.randn(*s, generator=g).requires_grad_()  # noqa: E731
+    B, NH, DK, DV = 2, 2, 8, 8
+    x = [mk(B, NH, DK, DV), mk(B, NH, DK), mk(B, NH, 1), mk(B, NH, DK), mk(B, NH, DK), mk(B, NH, DV), mk(B, NH, 1),
+         mk(B, NH, 1), mk(DV, DK)]
+    report = check_compiled(generate, x, tol=1e-5)
+    assert report.counts()["mlstm_step"] == 3 and report.counts()["mlstm"] == 0, str(report)
 
 
 def test_native_step_in_bf16_keeps_fp32_states():
