@@ -26,7 +26,7 @@ class Case:
     flop: float
     make: Callable  # () -> (fn, args, cublas_only_fn)
     train: bool = False
-    runner: str = "compile"  # "compile": eager vs torch.compile paths; "mlstm": op-level kernels; "model": xLSTMLarge
+    runner: str = "compile"  # "compile": eager vs torch.compile; "mlstm"/"decode": op-level kernels; "model": xLSTMLarge
     graphs: bool = False  # also time CUDA-graph replays (decode shapes: CPU launch cost hidden)
     rows: list = field(default_factory=list)
 
@@ -119,6 +119,51 @@ def mlstm_fwd(B, NH, S, DK, DV):
     # one read of q, k, v, gates and one write of h, bf16
     floor_bytes = 2 * (B * NH * S * (2 * DK + 2 * DV) + 2 * B * NH * S)
     return Case(f"mLSTM fwd B{B} NH{NH} S{S} DQK{DK} DV{DV}", floor_bytes, make, runner="mlstm")
+
+
+def mlstm_decode(B, NH=8, DK=256, DV=512):
+    """One recurrent step at the 7B head shape (the decode inner loop), plain and in a CUDA graph."""
+    def make():
+        g = torch.Generator(device="cuda").manual_seed(0)
+        mk = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+        return ([mk(B, NH, DK).bfloat16(), mk(B, NH, DK).bfloat16(), mk(B, NH, DV).bfloat16(), mk(B, NH), mk(B, NH) + 3],
+                [mk(B, NH, DK, DV) * .1, mk(B, NH, DK) * .1, mk(B, NH)])
+    floor_bytes = B * NH * (2 * DK * DV * 4 + 2 * DK * 4)  # read and write the fp32 state once
+    return Case(f"mLSTM decode step B{B} NH{NH} DQK{DK} DV{DV}", floor_bytes, make, runner="decode")
+
+
+def run_decode_case(case: Case) -> list:
+    """Rows: xaccel step (Triton) plain and in a CUDA graph; the xlstm library's native and Triton
+    steps when importable. 'TFLOP/s' is GB/s over the state's read + write."""
+    x, state = case.make()
+    rows = []
+
+    def add(path, ms, extra=""):
+        rows.append(dict(case=case.name, path=path, ms=ms, tflops=case.flop / ms / 1e9, extra=extra))
+        print(f"  {path:40s} {ms * 1e3:9.1f} us  {case.flop / ms / 1e6:8.0f} GB/s of floor  {extra}", flush=True)
+
+    print(f"\n{case.name}", flush=True)
+    step = lambda: torch.ops.xaccel.mlstm_step(*x, *state, 1e-6, True)  # noqa: E731
+    add("xaccel step", _bench(step, False))
+    graph = torch.cuda.CUDAGraph()
+    step()
+    with torch.cuda.graph(graph):
+        step()
+    add("xaccel step, CUDA graph", _bench(graph.replay, False))
+    try:
+        from mlstm_kernels.torch import get_mlstm_step_kernel
+
+        m3 = state[2][..., None]
+        for name in ("native", "triton"):
+            kern = get_mlstm_step_kernel(name)
+            add(f"xLSTM library step ({name})", _bench(lambda: kern(
+                q=x[0], k=x[1], v=x[2], i=x[3][..., None], f=x[4][..., None], c=state[0], n=state[1], m=m3), False))
+    except Exception as e:  # noqa: BLE001 - an anchor that cannot run is reported, not fatal
+        print(f"  xLSTM library steps not run: {type(e).__name__}: {str(e)[:120]}")
+    base = rows[0]["ms"]
+    for r in rows:
+        r["vs_cublas"], r["vs_xaccel"] = r["ms"] / base, r["ms"] / base
+    return rows
 
 
 def run_mlstm_case(case: Case) -> list:
@@ -235,7 +280,8 @@ SUITES = {
     "gemm": lambda quick: ([gelu_residual(4096 if quick else 16384), gelu_residual(128), swiglu(4096 if quick else 16384),
                             mlp_train(4096 if quick else 16384)]),
     "model": lambda quick: [xlstm_model(quick=quick) if not quick else xlstm_model(B=2, S=512, quick=True)],
-    "mlstm": lambda quick: [mlstm_fwd(8, 16, 2048 if quick else 8192, 128, 128), mlstm_fwd(8, 8, 1024 if quick else 4096, 256, 512)],
+    "mlstm": lambda quick: [mlstm_fwd(8, 16, 2048 if quick else 8192, 128, 128), mlstm_fwd(8, 8, 1024 if quick else 4096, 256, 512),
+                            mlstm_decode(1), mlstm_decode(8)],
 }
 
 
@@ -363,7 +409,7 @@ def main(argv=None) -> int:
     for case in SUITES[args.suite](args.quick):
         if args.only not in case.name:
             continue
-        runner = {"mlstm": run_mlstm_case, "model": run_model_case}.get(case.runner)
+        runner = {"mlstm": run_mlstm_case, "model": run_model_case, "decode": run_decode_case}.get(case.runner)
         rows += runner(case) if runner else run_case(case, not args.no_max_autotune)
         torch.cuda.empty_cache()
     md = markdown(rows, header)
