@@ -43,7 +43,6 @@ def configs(M, K, N):
 
 
 def train():
-    import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
 
     from torch_xaccel.bench import mlp_train

@@ -25,7 +25,6 @@ import operator
 
 import torch
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from torch_xaccel.report import Fallback, GraphReport, Replacement
 

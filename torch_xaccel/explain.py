@@ -1,7 +1,6 @@
 """torch_xaccel.explain: what the backend would do with a model on given inputs."""
 from __future__ import annotations
 
-import torch
 
 from . import runtime
 from .report import Fallback, Report, collect
