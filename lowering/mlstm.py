@@ -310,6 +310,9 @@ def _match(h: torch.fx.Node, seen: list):
 
 
 def run(gm: torch.fx.GraphModule, report: GraphReport, training: bool) -> None:
+    from . import mlstm_provenance
+
+    mlstm_provenance.run(gm, report)  # known library kernels first, then the parallel form
     graph = gm.graph
     misses: dict = {}  # logsigmoid node -> (depth, reason, where): one report per would-be mLSTM
     gone: set = set()
