@@ -32,3 +32,14 @@ def test_xlstm_large_native_mlstm_replaced_and_equal_to_eager(S):
     assert all("verified numerically" in r.pattern for r in report.replacements if r.family == "mlstm")
     assert report.counts()["gemm_epilogue"] > 0
     assert not [f for f in report.fallbacks if f.family == "mlstm"], str(report)
+
+
+@pytest.mark.gpu
+def test_xlstm_large_native_on_cuda_runs_the_kernels_and_matches_eager():
+    model, tokens = _model().cuda(), torch.randint(0, 97, (2, 64), device="cuda")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = model(tokens)
+        got = torch.compile(model, backend="xaccel")(tokens)
+    assert rel_err(got, want) <= 1e-4
+    assert torch_xaccel.last_report(1).counts()["mlstm"] == 2
