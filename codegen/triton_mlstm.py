@@ -38,11 +38,13 @@ def _kernel(has_state: bool, dtype: torch.dtype):
     return _KERNELS[key]
 
 
-def config(S: int, DK: int, DV: int) -> tuple[int, int]:
-    """(chunk length L, DV tile BV): register budget for the state tile [DK, BV] and the L x L block."""
+def config(S: int, DK: int, DV: int) -> tuple[int, int, int]:
+    """(chunk length L, DV tile BV, warps): register budget for the state tile [DK, BV] and the
+    L x L block. From benchmarks/compile_report.py (sm_90 compile without a GPU): 8 warps cut the
+    spills to ~200-370 bytes at both the 128/128 and 256/512 head shapes; not yet timed."""
     L = 64 if DK <= 128 else 32
     BV = min(DV, 64 if DK <= 128 else 32)
-    return L, BV
+    return L, BV, 8
 
 
 def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
@@ -65,9 +67,9 @@ def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
         C0, n0, m0 = (t.float().contiguous() for t in (C0, n0, m0))
     else:
         C0, n0, m0 = C, n, m  # unused by the kernel
-    L, BV = config(S, DK, DV)
+    L, BV, warps = config(S, DK, DV)
     _kernel(has_state, q.dtype)[(B * H, DV // BV)](q, k, v, i, f, h, C0, n0, m0, C, n, m, S, DK ** -0.5, eps,
-                                                   DK=DK, DV=DV, BV=BV, L=L)
+                                                   DK=DK, DV=DV, BV=BV, L=L, num_warps=warps)
     return h, C, n, m
 
 
@@ -104,6 +106,10 @@ def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
     B, H, S, DK = q.shape
     DV = v.shape[-1]
     if q.dtype not in DTYPES or DK not in HEAD_DIMS or DV not in HEAD_DIMS or S == 0 or dh is None and gC is None:
+        return NotImplemented
+    if DK * DV > 128 * 128:
+        # whole [DK, DV] tiles per program: beyond 128 x 128 they overflow shared memory on sm_90
+        # (benchmarks/compile_report.py); the analytic reference runs until the kernel is tiled
         return NotImplemented
     dev, f32 = q.device, torch.float32
     L = 16 if max(DK, DV) > 128 else 32

@@ -63,7 +63,7 @@ def test_step_kernel_matches_reference_and_captures_in_a_cuda_graph(DK, DV):
     assert rel_err(out[0], want[0]) <= 1e-2
 
 
-@pytest.mark.parametrize("B,H,S,DK,DV,with_state", [(1, 4, 300, 128, 128, False), (1, 2, 257, 64, 128, True)])
+@pytest.mark.parametrize("B,H,S,DK,DV,with_state", [(1, 4, 300, 128, 128, False), (1, 2, 257, 64, 128, True)])  # kernel's range
 def test_backward_kernel_matches_analytic_backward(B, H, S, DK, DV, with_state):
     from torch_xaccel.codegen import triton_mlstm
     from torch_xaccel.ops.mlstm_backward import backward as analytic

@@ -1,0 +1,78 @@
+"""Compile generated kernels for sm_90 WITHOUT a GPU and report registers, spills and shared memory.
+
+    python benchmarks/compile_report.py
+
+Uses the local Triton (CI's version, not necessarily the GPU machine's) and the ptxas it bundles
+(`ptxas-blackwell`, which accepts the PTX version Triton emits). Spills and shared-memory overruns
+show here for free; timings still need the GPU.
+"""
+import os
+import re
+import subprocess
+import tempfile
+
+os.environ.setdefault("XACCEL_CACHE_DIR", os.path.join(tempfile.gettempdir(), "xaccel-compile-report"))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from torch_xaccel.codegen import cache, triton_mlstm  # noqa: E402
+from torch_xaccel.codegen.render import _ENV, render_gemm_epilogue  # noqa: E402
+from torch_xaccel.epilogue_ir import Epilogue  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
+
+
+def report(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int) -> str:
+    sig = {a: ("constexpr" if a in constexprs else types[a]) for a in fn.arg_names}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=TARGET,
+                       options=dict(num_warps=num_warps, num_stages=num_stages))
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
+        fh.write(k.asm["ptx"])
+    proc = subprocess.run([PTXAS, "-arch=sm_90a", "-v", fh.name, "-o", os.devnull], capture_output=True, text=True)
+    text = proc.stdout + proc.stderr
+    regs = re.findall(r"Used (\d+) registers", text)
+    spills = re.findall(r"(\d+) bytes spill stores", text)
+    fits = "" if k.metadata.shared <= 232448 else "  (over the 227 KiB shared-memory limit)"
+    return f"regs {regs[0] if regs else '?'}  spill stores {spills[0] if spills else '?'} B  shared {k.metadata.shared} B{fits}"
+
+
+def _load(name, src):
+    return getattr(cache.load_source(name, src), name)
+
+
+def gemm_kernels():
+    ep = Epilogue(({"op": "acc", "index": 0}, {"op": "load", "operand": 0, "bcast": "row"}, {"op": "add", "in": [0, 1]},
+                   {"op": "gelu_tanh", "in": [2]}, {"op": "load", "operand": 1, "bcast": "full"},
+                   {"op": "add", "in": [3, 4]}), (5,))
+    for variant in ("tma", "tma2"):
+        fn = _load(*render_gemm_epilogue(ep, 2, "ieee", variant, True))
+        types = {a: ("tensordesc<bf16[128, 64]>" if a == "a_desc" else "tensordesc<bf16[256, 64]>" if a.endswith("_desc")
+                     else "*bf16" if a.endswith("_ptr") else "i32") for a in fn.arg_names}
+        cons = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, NUM_SMS=132, FLATTEN=True)
+        print(f"gemm_epilogue {variant:4s} 128x256x64 8 warps 3 stages: {report(fn, types, cons, 8, 3)}")
+
+
+def mlstm_kernels():
+    fn = _load(*triton_mlstm.render(False, torch.bfloat16))
+    types = {a: ("*bf16" if a in ("q_ptr", "k_ptr", "v_ptr", "h_ptr") else "i32" if a == "S"
+                 else "fp32" if a in ("scale", "eps") else "*fp32") for a in fn.arg_names}
+    for DK, DV in ((128, 128), (256, 512)):
+        L, BV, warps = triton_mlstm.config(4096, DK, DV)
+        print(f"mlstm fwd DK{DK} DV{DV} L{L} BV{BV} {warps} warps: "
+              f"{report(fn, types, dict(DK=DK, DV=DV, BV=BV, L=L), warps, 2)}")
+    name = "mlstm_bwd_report"
+    fn = _load(name, _ENV.get_template("mlstm_bwd.py.jinja").render(kernel_name=name, has_state=False, s_constexpr=False))
+    types = {a: ("*bf16" if a in ("q_ptr", "k_ptr", "v_ptr") else "i32" if a in ("S", "NC")
+                 else "fp32" if a in ("scale", "eps") else "*fp32") for a in fn.arg_names}
+    for DK, DV, L in ((128, 128, 32), (256, 512, 16)):
+        print(f"mlstm bwd DK{DK} DV{DV} L{L} 8 warps: {report(fn, types, dict(DK=DK, DV=DV, L=L), 8, 1)}")
+
+
+if __name__ == "__main__":
+    print(f"triton {triton.__version__}, target sm_90 (ptxas {os.path.basename(PTXAS)})")
+    gemm_kernels()
+    mlstm_kernels()
