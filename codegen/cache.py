@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from torch_xaccel import config
+from torch_xaccel.runtime import interpreting
 
 
 def root() -> Path:
@@ -64,18 +65,13 @@ def write_entry(kind: str, key: str, value) -> None:
     atomic_write(root() / kind / f"{key_name(key)}.json", json.dumps({"key": key, "value": value}, indent=1))
 
 
-def interpreting() -> bool:
-    """Triton's interpreter is on (TRITON_INTERPRET=1): kernels then run on the CPU, for tests."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-_MODULES: dict[tuple[str, str], object] = {}
+_MODULES: dict[tuple[str, bool], object] = {}
 
 
 def load_source(name: str, source: str):
     """Write `source` to kernels/<name>.py (once) and import it. Keyed by name and interpreter
     mode, since Triton decides at decoration time whether a kernel is interpreted."""
-    mode = os.environ.get("TRITON_INTERPRET", "0")
+    mode = interpreting()
     mod = _MODULES.get((name, mode))
     if mod is not None:
         return mod

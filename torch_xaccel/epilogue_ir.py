@@ -99,9 +99,9 @@ _UNARY_FN = {
 _BINARY_FN = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
 
 
-def read_by_vjp(ep: Epilogue) -> set[int]:
-    """Tensor nodes whose values the reverse pass reads directly (inputs of gelu/silu, outputs of
-    relu/sigmoid/tanh, factors of mul/div). Training saves these from the forward."""
+def _read_directly(ep: Epilogue) -> set[int]:
+    """Nodes whose values the reverse pass reads: inputs of gelu/silu, outputs of
+    relu/sigmoid/tanh, factors of mul/div."""
     need: set[int] = set()
     for i, n in enumerate(ep.nodes):
         if n["op"] in ("gelu", "gelu_tanh", "silu"):
@@ -110,20 +110,19 @@ def read_by_vjp(ep: Epilogue) -> set[int]:
             need.add(i)
         elif n["op"] in ("mul", "div"):
             need.update(n["in"])
-    return {i for i in need if ep.nodes[i]["op"] not in ("load", "const")}
+    return need
+
+
+def read_by_vjp(ep: Epilogue) -> set[int]:
+    """Tensor nodes the reverse pass reads directly (no loads or constants): training saves these
+    from the forward."""
+    return {i for i in _read_directly(ep) if ep.nodes[i]["op"] not in ("load", "const")}
 
 
 def needed_by_vjp(ep: Epilogue, have: set[int] = frozenset()) -> set[int]:
     """Nodes the reverse pass must evaluate: what it reads (operands and constants included) and
     everything those are computed from, except values already at hand (`have`)."""
-    need: set[int] = set()
-    for i, n in enumerate(ep.nodes):
-        if n["op"] in ("gelu", "gelu_tanh", "silu"):
-            need.add(n["in"][0])
-        elif n["op"] in ("relu", "sigmoid", "tanh"):
-            need.add(i)
-        elif n["op"] in ("mul", "div"):
-            need.update(n["in"])
+    need = _read_directly(ep)
     need -= set(have)
     todo = list(need)
     while todo:

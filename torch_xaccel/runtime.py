@@ -7,6 +7,7 @@ a broken kernel costs speed, never a wrong answer or a crash.
 """
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -35,11 +36,14 @@ def _describe(key: tuple) -> str:
     return ":".join(str(k) for k in key[:2]) + ":" + shapes
 
 
-def kernels_can_run(t: torch.Tensor) -> bool:
-    """Generated Triton kernels run on CUDA tensors, or anywhere under TRITON_INTERPRET=1 (tests)."""
-    import os
+def interpreting() -> bool:
+    """Triton's interpreter is on (TRITON_INTERPRET=1): kernels then run on the CPU, for tests."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-    return t.device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+def kernels_can_run(t: torch.Tensor) -> bool:
+    """Generated Triton kernels run on CUDA tensors, or anywhere under the interpreter (tests)."""
+    return t.device.type == "cuda" or interpreting()
 
 
 def register_provider(op: str, provider: Callable) -> None:
