@@ -19,7 +19,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from torch_xaccel.codegen import cache, triton_mlstm  # noqa: E402
-from torch_xaccel.codegen.render import _ENV, render_gemm_epilogue  # noqa: E402
+from torch_xaccel.codegen.render import render_gemm_epilogue  # noqa: E402
 from torch_xaccel.epilogue_ir import Epilogue  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -57,19 +57,25 @@ def gemm_kernels():
 
 
 def mlstm_kernels():
-    fn = _load(*triton_mlstm.render(False, torch.bfloat16))
-    types = {a: ("*bf16" if a in ("q_ptr", "k_ptr", "v_ptr", "h_ptr") else "i32" if a == "S"
-                 else "fp32" if a in ("scale", "eps") else "*fp32") for a in fn.arg_names}
+    """Every mLSTM kernel at the default configs for both target head shapes."""
+    def types_for(fn):
+        return {a: ("*bf16" if a in ("q_ptr", "k_ptr", "v_ptr", "h_ptr", "Cs_ptr", "dCs_ptr", "dh_ptr", "dq_ptr",
+                                     "dk_ptr", "dv_ptr") else "i32" if a in ("S", "NC", "NT")
+                    else "fp32" if a in ("scale", "eps") else "*fp32") for a in fn.arg_names}
+
     for DK, DV in ((128, 128), (256, 512)):
-        L, BV, warps = triton_mlstm.config(4096, DK, DV)
-        print(f"mlstm fwd DK{DK} DV{DV} L{L} BV{BV} {warps} warps: "
-              f"{report(fn, types, dict(DK=DK, DV=DV, BV=BV, L=L), warps, 2)}")
-    name = "mlstm_bwd_report"
-    fn = _load(name, _ENV.get_template("mlstm_bwd.py.jinja").render(kernel_name=name, has_state=False, s_constexpr=False))
-    types = {a: ("*bf16" if a in ("q_ptr", "k_ptr", "v_ptr") else "i32" if a in ("S", "NC")
-                 else "fp32" if a in ("scale", "eps") else "*fp32") for a in fn.arg_names}
-    for DK, DV, L in ((128, 128, 32), (256, 512, 16)):
-        print(f"mlstm bwd DK{DK} DV{DV} L{L} 8 warps: {report(fn, types, dict(DK=DK, DV=DV, L=L), 8, 1)}")
+        for phase, cfg in (("fwd", triton_mlstm.forward_config(DK, DV)), ("bwd", triton_mlstm.backward_config(DK, DV))):
+            kernels = [("mlstm_chunk_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), min(cfg["warps"], 4))]
+            kernels += ([("mlstm_fwd.py.jinja", dict(BV=cfg["BV"]), cfg["warps"])] if phase == "fwd" else
+                        [("mlstm_bwd_rows.py.jinja", dict(BV=cfg["BV"]), cfg["warps"]),
+                         ("mlstm_bwd_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), min(cfg["warps"], 4)),
+                         ("mlstm_bwd.py.jinja", dict(BV=cfg["BV"]), cfg["warps"])])
+            for template, tiles, warps in kernels:
+                extra = dict(has_state=False) if "states" in template and "bwd" not in template else {}
+                fn = _load(*triton_mlstm._render(template, torch.bfloat16, False, **extra))
+                cons = dict(DK=DK, DV=DV, L=cfg["L"], **tiles)
+                print(f"{template.split('.')[0]:20s} DK{DK} DV{DV} {cons} {warps} warps: "
+                      f"{report(fn, types_for(fn), cons, warps, 2)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -22,19 +22,28 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #   ptr: one tile per program, pointer loads;  tma: persistent, tensor-descriptor loads (Hopper);
 #   tma2: tma with the epilogue run on two half tiles (fewer live registers next to the accumulator)
 #   Not here on purpose: tl.range(warp_specialize=True) hung the H200 on Triton 3.6 (128x256x64, 8 warps).
-LARGE = [("tma", 128, 256, 64, 8, 8, 3, 1), ("tma", 128, 256, 64, 8, 8, 4, 0), ("tma", 128, 256, 64, 8, 8, 3, 0),
-         ("tma", 256, 128, 64, 8, 8, 3, 1), ("tma", 128, 128, 64, 8, 8, 4, 1), ("tma", 128, 128, 64, 8, 4, 4, 1),
-         ("tma2", 128, 256, 64, 8, 8, 3, 1), ("tma2", 128, 256, 64, 8, 8, 4, 1), ("tma2", 256, 128, 64, 8, 8, 3, 1),
+LARGE = [("tma", 128, 256, 64, 8, 8, 3, 1), ("tma", 128, 256, 64, 8, 8, 3, 0), ("tma", 256, 128, 64, 8, 8, 3, 1),
+         ("tma", 128, 128, 64, 8, 8, 4, 1), ("tma", 128, 128, 64, 8, 4, 4, 1),
+         ("tma2", 128, 256, 64, 8, 8, 3, 1), ("tma2", 128, 256, 64, 8, 8, 3, 0), ("tma2", 256, 128, 64, 8, 8, 3, 1),
          ("ptr", 128, 256, 64, 8, 8, 3, 0), ("ptr", 128, 128, 64, 8, 4, 4, 0)]
 SMALL_M = [("ptr", 128, 64, 128, 8, 4, 4, 0), ("ptr", 128, 32, 128, 8, 4, 5, 0), ("ptr", 128, 64, 64, 8, 4, 6, 0),
            ("ptr", 64, 64, 128, 8, 4, 4, 0), ("ptr", 64, 128, 64, 8, 4, 4, 0), ("ptr", 32, 64, 128, 8, 4, 4, 0),
-           ("ptr", 64, 32, 256, 8, 4, 3, 0), ("tma", 128, 64, 128, 8, 4, 4, 0), ("tma", 128, 32, 128, 8, 4, 6, 0),
+           ("ptr", 64, 32, 256, 8, 4, 3, 0), ("tma", 128, 64, 128, 8, 4, 4, 0), ("tma", 128, 32, 128, 8, 4, 5, 0),
            ("tma", 64, 64, 128, 8, 4, 5, 0)]
 DUAL = [("tma", 128, 128, 64, 8, 8, 3, 1), ("tma", 128, 128, 64, 8, 8, 4, 0), ("tma", 128, 128, 64, 8, 8, 3, 0),
-        ("tma", 256, 128, 64, 8, 8, 3, 1), ("tma2", 128, 128, 64, 8, 8, 4, 0), ("tma2", 128, 128, 64, 8, 8, 3, 1),
+        ("tma", 256, 128, 64, 8, 8, 2, 1), ("tma2", 128, 128, 64, 8, 8, 4, 0), ("tma2", 128, 128, 64, 8, 8, 3, 1),
         ("ptr", 128, 128, 64, 8, 8, 3, 0), ("ptr", 128, 64, 64, 8, 4, 4, 0)]
 FP32 = [("ptr", 128, 128, 32, 8, 8, 3, 0), ("ptr", 64, 128, 32, 8, 4, 4, 0), ("ptr", 64, 64, 32, 8, 4, 4, 0)]
 INTERPRETER = ("ptr", 32, 32, 32, 4, 4, 1, 0)
+SHARED_LIMIT = 232448  # bytes of shared memory per block on sm_90 (227 KiB)
+
+
+def shared_bytes(cfg: tuple, n_gemms: int, itemsize: int = 2) -> int:
+    """Shared memory a config needs: num_stages buffers of the A and B tiles plus one output tile
+    for the epilogue's store. Matches what Triton 3.6 asked for on the H200 within 64 bytes (e.g.
+    262176 for tma 128x256x64 with 4 stages, which does not fit)."""
+    _, bm, bn, bk, _, _, stages, _ = cfg
+    return stages * (bm + n_gemms * bn) * bk * itemsize + bm * bn * itemsize
 
 
 def candidates(m: int, n_gemms: int, dtype: torch.dtype) -> list[tuple]:

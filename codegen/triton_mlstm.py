@@ -2,8 +2,10 @@
 (initial state or not, input dtype); head dims, chunk size and the DV tile are compile-time
 constants of the kernel.
 
-Status: logic checked in Triton's interpreter; GPU timing and tuning are still to come (see the
-mLSTM issue). Backward passes run the references."""
+The chunkwise form is split so that only the state scans are sequential: mlstm_chunk_states
+(the state entering every chunk, tiled over DK x DV) and mlstm_fwd (every chunk's output in
+parallel); the backward adds mlstm_bwd_rows (per-row normalizer terms), mlstm_bwd_states (the
+reverse state-gradient scan) and mlstm_bwd (every chunk's gradients in parallel)."""
 from __future__ import annotations
 
 import hashlib
@@ -18,58 +20,91 @@ HEAD_DIMS = (16, 32, 64, 128, 256, 512)
 _KERNELS: dict = {}
 
 
-def render(has_state: bool, dtype: torch.dtype, s_constexpr: bool = False) -> tuple[str, str]:
-    """s_constexpr: the sequence length as a compile-time constant, for Triton 3.6's interpreter
-    (it cannot loop to a run-time bound under NumPy 2)."""
+def _render(template: str, dtype: torch.dtype, s_constexpr: bool, **extra) -> tuple[str, str]:
+    """(kernel name, source) of one mLSTM template for the dot dtype. s_constexpr: sequence length
+    and chunk count as compile-time constants, for Triton 3.6's interpreter (it cannot loop to a
+    run-time bound under NumPy 2)."""
     tf32 = dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not cache.interpreting()
     precision = "tf32" if tf32 else "ieee"
-    key = f"mlstm_fwd|{has_state}|{dtype}|{precision}|{s_constexpr}"
-    name = "mlstm_fwd_" + hashlib.sha256(key.encode()).hexdigest()[:12]
-    src = _ENV.get_template("mlstm_fwd.py.jinja").render(kernel_name=name, has_state=has_state, dot_dtype=str(dtype),
-                                                          precision=precision, s_constexpr=s_constexpr)
+    key = f"{template}|{dtype}|{precision}|{s_constexpr}|{sorted(extra.items())}"
+    name = template.split(".")[0] + "_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    src = _ENV.get_template(template).render(kernel_name=name, dot_dtype=str(dtype), precision=precision,
+                                             s_constexpr=s_constexpr, **extra)
     return name, src
 
 
-def _kernel(has_state: bool, dtype: torch.dtype):
-    key = (has_state, dtype, cache.interpreting())
+def _kernel(template: str, dtype: torch.dtype, **extra):
+    key = (template, dtype, cache.interpreting(), tuple(sorted(extra.items())))
     if key not in _KERNELS:
-        name, src = render(has_state, dtype, s_constexpr=cache.interpreting())
+        name, src = _render(template, dtype, cache.interpreting(), **extra)
         _KERNELS[key] = getattr(cache.load_source(name, src), name)
     return _KERNELS[key]
 
 
-def config(S: int, DK: int, DV: int) -> tuple[int, int, int]:
-    """(chunk length L, DV tile BV, warps): register budget for the state tile [DK, BV] and the
-    L x L block. From benchmarks/compile_report.py (sm_90 compile without a GPU): 8 warps cut the
-    spills to ~200-370 bytes at both the 128/128 and 256/512 head shapes; not yet timed."""
-    L = 64 if DK <= 128 else 32
-    BV = min(DV, 64 if DK <= 128 else 32)
-    return L, BV, 8
+def forward_config(DK: int, DV: int) -> dict:
+    """Chunk length L, DV tile of the output kernel (BV), state tile of the scan (BK x BVS), warps,
+    pipeline stages. Picked from benchmarks/mlstm_sweep.py on the H200 (bf16, Triton 3.6): at
+    B8 NH16 S8192 128/128, L128 BV128 took 1.52 ms against 1.79-2.56 ms for the other tiles tried;
+    at the 7B head shape 2.39 ms against 2.58-3.83 ms; larger scan tiles read k and v fewer times."""
+    if cache.interpreting():
+        return dict(L=16, BV=min(DV, 16), BK=min(DK, 16), BVS=min(DV, 16), warps=4, stages=1)
+    return dict(L=128, BV=min(DV, 128), BK=min(DK, 128), BVS=min(DV, 128), warps=8, stages=2)
 
 
-def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
-    """Kernel path for xaccel::mlstm's forward, or NotImplemented for cases it does not cover.
-    chunk_size only shapes the reference's evaluation; the kernel picks its own chunk length
-    (results agree to rounding)."""
-    B, H, S, DK = q.shape
+def backward_config(DK: int, DV: int) -> dict:
+    """Same keys as forward_config. L64 with BV32 was the fastest tried at both head shapes (5.93 ms
+    and 7.66 ms for the four backward launches); BV64 at L64 overflows shared memory at 256/512."""
+    if cache.interpreting():
+        return dict(L=16, BV=min(DV, 16), BK=min(DK, 16), BVS=min(DV, 16), warps=4, stages=1)
+    return dict(L=64, BV=min(DV, 32), BK=min(DK, 64), BVS=min(DV, 64), warps=8, stages=2)
+
+
+def _supported(q, k, v, S) -> bool:
+    DK, DV = q.shape[-1], v.shape[-1]
+    return (q.dtype in DTYPES and DK in HEAD_DIMS and DV in HEAD_DIMS and S > 0
+            and all(t.dtype == q.dtype for t in (k, v)))
+
+
+def chunk_states(k, v, i, f, C0, n0, m0, L, BK, BVS, warps, stages):
+    """Run the sequential scan: (Cs, ns, ms) the state entering each chunk ([B*H*NC*DK*DV] in the
+    input dtype, [.. DK] and [..] fp32) and the final state (C, n, m) in fp32."""
+    B, H, S, DK = k.shape
     DV = v.shape[-1]
-    if (q.dtype not in DTYPES or DK not in HEAD_DIMS or DV not in HEAD_DIMS or S == 0
-            or not all(t.dtype == q.dtype for t in (k, v))):
-        return NotImplemented
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    i, f = (t.contiguous() for t in (i, f))
-    h = torch.empty(B, H, S, DV, dtype=q.dtype, device=q.device)
-    C = torch.empty(B, H, DK, DV, dtype=torch.float32, device=q.device)
-    n = torch.empty(B, H, DK, dtype=torch.float32, device=q.device)
-    m = torch.empty(B, H, dtype=torch.float32, device=q.device)
+    NC = -(-S // L)
+    dev, f32 = k.device, torch.float32
+    Cs = torch.empty(B * H * NC * DK * DV, dtype=k.dtype, device=dev)
+    ns = torch.empty(B * H * NC * DK, dtype=f32, device=dev)
+    ms = torch.empty(B * H * NC, dtype=f32, device=dev)
+    C = torch.empty(B, H, DK, DV, dtype=f32, device=dev)
+    n = torch.empty(B, H, DK, dtype=f32, device=dev)
+    m = torch.empty(B, H, dtype=f32, device=dev)
     has_state = C0 is not None
     if has_state:
         C0, n0, m0 = (t.float().contiguous() for t in (C0, n0, m0))
     else:
         C0, n0, m0 = C, n, m  # unused by the kernel
-    L, BV, warps = config(S, DK, DV)
-    _kernel(has_state, q.dtype)[(B * H, DV // BV)](q, k, v, i, f, h, C0, n0, m0, C, n, m, S, DK ** -0.5, eps,
-                                                   DK=DK, DV=DV, BV=BV, L=L, num_warps=warps)
+    _kernel("mlstm_chunk_states.py.jinja", k.dtype, has_state=has_state)[(B * H, DK // BK, DV // BVS)](
+        k, v, i, f, C0, n0, m0, Cs, ns, ms, C, n, m, S, NC, DK ** -0.5,
+        DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=min(warps, 4), num_stages=stages)
+    return (Cs, ns, ms), (C, n, m)
+
+
+def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
+    """Kernel path for xaccel::mlstm's forward, or NotImplemented for cases it does not cover: the
+    chunk-state scan, then every chunk's output in parallel. chunk_size only shapes the
+    reference's evaluation; the kernels pick their own chunk length (results agree to rounding)."""
+    B, H, S, DK = q.shape
+    DV = v.shape[-1]
+    if not _supported(q, k, v, S):
+        return NotImplemented
+    q, k, v, i, f = (t.contiguous() for t in (q, k, v, i, f))
+    cfg = forward_config(DK, DV)
+    L = cfg["L"]
+    (Cs, ns, ms), (C, n, m) = chunk_states(k, v, i, f, C0, n0, m0, L, cfg["BK"], cfg["BVS"], cfg["warps"], cfg["stages"])
+    h = torch.empty(B, H, S, DV, dtype=q.dtype, device=q.device)
+    NC = -(-S // L)
+    _kernel("mlstm_fwd.py.jinja", q.dtype)[(B * H, NC, DV // cfg["BV"])](
+        q, k, v, i, f, h, Cs, ns, ms, S, NC, DK ** -0.5, eps, DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=cfg["warps"], num_stages=cfg["stages"])
     return h, C, n, m
 
 
@@ -95,59 +130,60 @@ def step(key, q, k, v, i, f, C, n, m, eps, scale_q=False):
     return h, C2, n2, m2
 
 
-def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
+def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=None):
     """Kernel path for xaccel::mlstm's backward (same contract as ops/mlstm_backward.backward), or
-    NotImplemented. The kernel holds whole [DK, DV] states per program: correct for every
-    supported head size, tuned for none yet."""
+    NotImplemented. Four launches: the chunk-state scan again, per-row normalizer terms (from the
+    saved output h; recomputed when absent), the reverse state-gradient scan, then every chunk's
+    dq, dk, dv and gate gradients in parallel. The eps term is routed through the stabilizer max
+    here in torch (a cummax over [B, H, S])."""
     import torch.nn.functional as F
 
     from torch_xaccel.ops.mlstm_backward import _route_max_grad
 
     B, H, S, DK = q.shape
     DV = v.shape[-1]
-    if q.dtype not in DTYPES or DK not in HEAD_DIMS or DV not in HEAD_DIMS or S == 0 or dh is None and gC is None:
-        return NotImplemented
-    if DK * DV > 128 * 128:
-        # whole [DK, DV] tiles per program: beyond 128 x 128 they overflow shared memory on sm_90
-        # (benchmarks/compile_report.py); the analytic reference runs until the kernel is tiled
+    if not _supported(q, k, v, S) or dh is None and gC is None:
         return NotImplemented
     dev, f32 = q.device, torch.float32
-    L = 16 if max(DK, DV) > 128 else 32
-    NC = -(-S // L)
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    i32, f32_ = i.float().contiguous(), f.float().contiguous()
-    dh = torch.zeros(B, H, S, DV, device=dev, dtype=f32) if dh is None else dh.float().contiguous()
-    dC = torch.zeros(B, H, DK, DV, device=dev, dtype=f32) if gC is None else gC.float().clone()
-    dn = torch.zeros(B, H, DK, device=dev, dtype=f32) if gn is None else gn.float().clone()
-    gm = torch.zeros(B, H, device=dev, dtype=f32) if gm is None else gm.float().contiguous()
-    has_state = C0 is not None
-    C0s, n0s, m0s = ((C0.float().contiguous(), n0.float().contiguous(), m0.float().contiguous()) if has_state
-                     else (dC, dn, gm))  # unused by the kernel without a state
-    Cs = torch.empty(B * H * NC * DK * DV, device=dev, dtype=f32)
-    ns = torch.empty(B * H * NC * DK, device=dev, dtype=f32)
-    ms = torch.empty(B * H * NC, device=dev, dtype=f32)
-    dmT = torch.empty(B, H, device=dev, dtype=f32)
-    dq, dk = torch.empty(B, H, S, DK, device=dev, dtype=f32), torch.empty(B, H, S, DK, device=dev, dtype=f32)
-    dv = torch.empty(B, H, S, DV, device=dev, dtype=f32)
-    di, dlogf, dm = (torch.empty(B, H, S, device=dev, dtype=f32) for _ in range(3))
-    kkey = ("bwd", has_state, cache.interpreting())
-    if kkey not in _KERNELS:
-        name = "mlstm_bwd_" + hashlib.sha256(f"mlstm_bwd|{has_state}|{cache.interpreting()}".encode()).hexdigest()[:12]
-        src = _ENV.get_template("mlstm_bwd.py.jinja").render(kernel_name=name, has_state=has_state,
-                                                              s_constexpr=cache.interpreting())
-        _KERNELS[kkey] = getattr(cache.load_source(name, src), name)
-    _KERNELS[kkey][(B * H,)](q, k, v, i32, f32_, dh, C0s, n0s, m0s, Cs, ns, ms, dC, dn, gm, dmT,
-                              dq, dk, dv, di, dlogf, dm, S, NC, DK ** -0.5, eps, DK=DK, DV=DV, L=L)
-    dm[..., -1] += dmT
-    logf = F.logsigmoid(f32_)
-    r_di, r_dlogf, r_dm0 = _route_max_grad(dm, i32, logf.cumsum(-1), m0s if has_state else None)
-    di, dlogf = di + r_di, dlogf + r_dlogf
-    df = dlogf * torch.sigmoid(-f32_)
-    grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), di.to(i.dtype), df.to(f.dtype)]
-    if has_state:
+    q, k, v, i, f = (t.contiguous() for t in (q, k, v, i, f))
+    if h is None:
+        h = forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size)[0]
+    h = h.contiguous()
+    dh = torch.zeros_like(h) if dh is None else dh.contiguous()
+    gC = torch.zeros(B, H, DK, DV, device=dev, dtype=f32) if gC is None else gC.float().contiguous()
+    gn = torch.zeros(B, H, DK, device=dev, dtype=f32) if gn is None else gn.float().contiguous()
+    gm = torch.zeros(B, H, device=dev, dtype=f32) if gm is None else gm.float()
+    cfg = backward_config(DK, DV)
+    L, BK, BVS, warps, stages = cfg["L"], cfg["BK"], cfg["BVS"], cfg["warps"], cfg["stages"]
+    NC, NT = -(-S // L), (DK // BK) * (DV // BVS)
+    (Cs, ns, ms), (CT, nT, mT) = chunk_states(k, v, i, f, C0, n0, m0, L, BK, BVS, warps, stages)
+    N, dden, hdh, dm = (torch.empty(B, H, S, device=dev, dtype=f32) for _ in range(4))
+    _kernel("mlstm_bwd_rows.py.jinja", q.dtype)[(B * H, NC)](
+        q, k, i, f, h, dh, ns, ms, N, dden, hdh, dm, S, NC, DK ** -0.5, eps,
+        DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
+    dCs, dns = torch.empty_like(Cs), torch.empty_like(ns)
+    dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)
+    dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
+    dC0, dn0 = torch.empty_like(gC), torch.empty_like(gn)
+    _kernel("mlstm_bwd_states.py.jinja", q.dtype)[(B * H, DK // BK, DV // BVS)](
+        q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0, S, NC, NT,
+        DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=min(warps, 4), num_stages=stages)
+    dg = dg.sum(-1)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    di, dlogf = torch.empty(B, H, S, device=dev, dtype=f32), torch.empty(B, H, S, device=dev, dtype=f32)
+    _kernel("mlstm_bwd.py.jinja", q.dtype)[(B * H, NC)](
+        q, k, v, i, f, dh, Cs, ns, ms, dCs, dns, dg, N, dden, hdh, dq, dk, dv, di, dlogf, S, NC, DK ** -0.5,
+        DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
+    dm[..., -1] += gm + dmT.sum(-1).view(B, H)
+    i32, f32_ = i.float(), f.float()
+    m0s = m0.float() if C0 is not None else None
+    r_di, r_dlogf, r_dm0 = _route_max_grad(dm, i32, F.logsigmoid(f32_).cumsum(-1), m0s)
+    df = (dlogf + r_dlogf) * torch.sigmoid(-f32_)
+    grads = [dq, dk, dv, (di + r_di).to(i.dtype), df.to(f.dtype)]
+    if C0 is not None:
         e0 = torch.exp(m0s)
-        grads += [(dC * e0[..., None, None]).to(C0.dtype), (dn * e0[..., None]).to(n0.dtype),
-                  (e0 * ((dC * C0s).sum((-1, -2)) + (dn * n0s).sum(-1)) + r_dm0).to(m0.dtype)]
+        grads += [(dC0 * e0[..., None, None]).to(C0.dtype), (dn0 * e0[..., None]).to(n0.dtype),
+                  (e0 * ((dC0 * C0.float()).sum((-1, -2)) + (dn0 * n0.float()).sum(-1)) + r_dm0).to(m0.dtype)]
     else:
         grads += [None, None, None]
     return grads

@@ -90,3 +90,14 @@ def test_generated_kernels_match_reference_in_interpreter(tmp_path):
     assert len(lines) == 10 + (6 if "skipped" not in proc.stdout else 1)  # 5 ptr cases x 2 outputs + 3 TMA x 2 variants
     kernels = list((tmp_path / "kernels").glob("gemm_epilogue_*.py"))
     assert kernels and "op: xaccel::gemm_epilogue" in kernels[0].read_text()  # readable sources in the cache
+
+
+def test_every_listed_config_fits_shared_memory():
+    """A config over sm_90's shared memory fails to launch on the GPU (Triton 3.6 raised
+    OutOfResources for 128x256x64 with 4 stages): none may be listed."""
+    from torch_xaccel.codegen import triton_gemm as tg
+
+    for lst, n in ((tg.LARGE, 1), (tg.SMALL_M, 1), (tg.DUAL, 2)):
+        for cfg in lst:
+            assert tg.shared_bytes(cfg, n) <= tg.SHARED_LIMIT, cfg
+    assert tg.shared_bytes(("tma", 128, 256, 64, 8, 8, 4, 0), 1) > tg.SHARED_LIMIT  # measured: 262176 B

@@ -157,12 +157,13 @@ def _fake(q, k, v, i, f, C0, n0, m0, eps, chunk_size):
 def _setup_context(ctx, inputs, output):
     q, k, v, i, f, C0, n0, m0, eps, chunk_size = inputs
     ctx.has_state = C0 is not None
-    ctx.save_for_backward(q, k, v, i, f, *((C0, n0, m0) if ctx.has_state else ()))
+    # the output h too: the backward kernels read h . dh instead of recomputing the numerator
+    ctx.save_for_backward(q, k, v, i, f, output[0], *((C0, n0, m0) if ctx.has_state else ()))
     ctx.eps, ctx.chunk_size = eps, chunk_size
     ctx.set_materialize_grads(False)  # unused final states get None: the backward skips them
 
 
-def _backward_reference(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
+def _backward_reference(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=None):
     from .mlstm_backward import backward
 
     return backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps=eps, chunk_size=chunk_size)
@@ -183,24 +184,25 @@ def _triton_backward(key, gh, gC, gn, gm, q, *args):
 @torch.library.custom_op("xaccel::mlstm_backward", mutates_args=())
 def mlstm_backward(gh: Tensor | None, gC: Tensor | None, gn: Tensor | None, gm: Tensor | None, q: Tensor, k: Tensor,
                    v: Tensor, i: Tensor, f: Tensor, C0: Tensor | None, n0: Tensor | None, m0: Tensor | None,
-                   eps: float, chunk_size: int) -> list[Tensor]:
+                   eps: float, chunk_size: int, h: Tensor | None = None) -> list[Tensor]:
     """xaccel::mlstm's backward as one opaque op, so that traced backward graphs hold a single
-    node whose kernel is picked at run time: [dq, dk, dv, di, df] (+ [dC0, dn0, dm0] with a state)."""
+    node whose kernel is picked at run time: [dq, dk, dv, di, df] (+ [dC0, dn0, dm0] with a state).
+    h: the forward's output, when saved (the kernels use it; the reference does not need it)."""
     grads = runtime.dispatch("mlstm_backward", _backward_key, _backward_reference,
-                             gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size)
+                             gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h)
     return [g.contiguous() for g in grads if g is not None]
 
 
 @mlstm_backward.register_fake
-def _backward_fake(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
+def _backward_fake(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=None):
     # contiguous, like the real gradients (empty_like would copy q's strides, e.g. a transposed view)
     return [t.new_empty(t.shape) for t in (q, k, v, i, f, *((C0, n0, m0) if C0 is not None else ()))]
 
 
 def _backward(ctx, gh, gC, gn, gm):
     saved = list(ctx.saved_tensors)
-    state = saved[5:] if ctx.has_state else [None, None, None]
-    grads = torch.ops.xaccel.mlstm_backward(gh, gC, gn, gm, *saved[:5], *state, ctx.eps, ctx.chunk_size)
+    state = saved[6:] if ctx.has_state else [None, None, None]
+    grads = torch.ops.xaccel.mlstm_backward(gh, gC, gn, gm, *saved[:5], *state, ctx.eps, ctx.chunk_size, saved[5])
     return (*grads, *([None] * (8 - len(grads))), None, None)
 
 

@@ -1,0 +1,93 @@
+"""Time the generated mLSTM kernels over tile configurations on the GPU (bf16), to pick the
+defaults in codegen/triton_mlstm.py:
+
+    python benchmarks/mlstm_sweep.py [--quick]
+
+Each line: shape, phase, config, median ms, and the relative error of h (forward) or dq
+(backward) against the default config, so a config that breaks the math cannot win.
+"""
+import argparse
+
+import torch
+import triton.testing
+
+from torch_xaccel.codegen import triton_mlstm as tm
+
+SHAPES = [(8, 16, 8192, 128, 128), (8, 8, 4096, 256, 512)]
+
+
+def _inputs(B, H, S, DK, DV):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    return [mk(B, H, S, DK), mk(B, H, S, DK), mk(B, H, S, DV), mk(B, H, S), 3.0 + mk(B, H, S)]
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def sweep(shape, fwd_cfgs, bwd_cfgs):
+    x = _inputs(*shape)
+    default_f, default_b = tm.forward_config, tm.backward_config
+    h_ref = tm.forward(None, *x, None, None, None, 1e-6, 64)[0]
+    dh = torch.randn_like(h_ref)
+    g_ref = tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h_ref)
+    for cfg in fwd_cfgs:
+        tm.forward_config = lambda DK, DV, c=cfg: dict(c)
+        try:
+            h = tm.forward(None, *x, None, None, None, 1e-6, 64)[0]
+            ms = triton.testing.do_bench(lambda: tm.forward(None, *x, None, None, None, 1e-6, 64), warmup=10, rep=50)
+            print(f"{shape} fwd {cfg}: {ms:.3f} ms  rel {_rel(h, h_ref):.1e}", flush=True)
+        except Exception as e:  # noqa: BLE001 - a config that does not build is a finding
+            print(f"{shape} fwd {cfg}: FAILED {type(e).__name__}: {str(e)[:100]}", flush=True)
+    tm.forward_config = default_f
+    for cfg in bwd_cfgs:
+        tm.backward_config = lambda DK, DV, c=cfg: dict(c)
+        try:
+            g = tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h_ref)
+            ms = triton.testing.do_bench(lambda: tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h_ref),
+                                         warmup=5, rep=30)
+            print(f"{shape} bwd {cfg}: {ms:.3f} ms  rel dq {_rel(g[0], g_ref[0]):.1e} df {_rel(g[4], g_ref[4]):.1e}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"{shape} bwd {cfg}: FAILED {type(e).__name__}: {str(e)[:100]}", flush=True)
+    tm.backward_config = default_b
+
+
+def profile(shape):
+    """Per-kernel CUDA time of one forward and one backward at the default configs."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    x = _inputs(*shape)
+    h = tm.forward(None, *x, None, None, None, 1e-6, 64)[0]
+    dh = torch.randn_like(h)
+    tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h)
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(3):
+            tm.forward(None, *x, None, None, None, 1e-6, 64)
+            tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h)
+        torch.cuda.synchronize()
+    for e in sorted(p.key_averages(), key=lambda e: -e.device_time_total)[:10]:
+        print(f"{shape} kernel {e.key[:60]:60s} {e.device_time_total / 3 / 1e3:8.3f} ms per fwd+bwd", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    print("defaults:", {s: (tm.forward_config(s[3], s[4]), tm.backward_config(s[3], s[4])) for s in SHAPES})
+    for shape in SHAPES:
+        DK, DV = shape[3], shape[4]
+        base_f, base_b = tm.forward_config(DK, DV), tm.backward_config(DK, DV)
+        fwd = [base_f, dict(base_f, warps=4), dict(base_f, BV=min(DV, 256)), dict(base_f, BV=64, warps=4),
+               dict(base_f, BK=min(DK, 64), BVS=min(DV, 128))]
+        bwd = [base_b, dict(base_b, stages=1), dict(base_b, BV=64, stages=1), dict(base_b, L=32, BV=64, stages=1),
+               dict(base_b, warps=4)]
+        if args.quick:
+            fwd, bwd = fwd[:4], bwd[:2]
+        profile(shape)
+        sweep(shape, fwd, bwd)
+
+
+if __name__ == "__main__":
+    main()
