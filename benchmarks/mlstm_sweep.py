@@ -72,6 +72,7 @@ def profile(shape):
 
 
 def main():
+    tm.TUNE = False
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()

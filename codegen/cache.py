@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from torch_xaccel import config
@@ -88,3 +89,22 @@ def load_source(name: str, source: str):
     spec.loader.exec_module(mod)
     _MODULES[(name, mode)] = mod
     return mod
+
+
+class Progress:
+    """A one-line progress bar on stderr, shown only once tuning has taken over two seconds."""
+
+    def __init__(self, label: str, total: int):
+        self.label, self.total, self.t0, self.shown = label, total, time.perf_counter(), False
+
+    def step(self, done: int) -> None:
+        if time.perf_counter() - self.t0 < 2.0 and not self.shown:
+            return
+        self.shown = True
+        bar = "#" * int(20 * done / self.total)
+        sys.stderr.write(f"\r[xaccel] tuning {self.label} [{bar:<20}] {done}/{self.total}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write(f"  {time.perf_counter() - self.t0:.1f}s\n")

@@ -7,8 +7,6 @@ does not cover (batched B, empty tensors, other devices), so the runtime runs th
 """
 from __future__ import annotations
 
-import sys
-import time
 
 import torch
 
@@ -168,32 +166,13 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class _Progress:
-    """A one-line progress bar on stderr, shown only once tuning has taken over two seconds."""
-
-    def __init__(self, label: str, total: int):
-        self.label, self.total, self.t0, self.shown = label, total, time.perf_counter(), False
-
-    def step(self, done: int) -> None:
-        if time.perf_counter() - self.t0 < 2.0 and not self.shown:
-            return
-        self.shown = True
-        bar = "#" * int(20 * done / self.total)
-        sys.stderr.write(f"\r[xaccel] tuning {self.label} [{bar:<20}] {done}/{self.total}")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.shown:
-            sys.stderr.write(f"  {time.perf_counter() - self.t0:.1f}s\n")
-
-
 def _tune(case: _Case, reference_fn, cands, make_case) -> tuple | None:
     """Time every config and the ATen composition; None means ATen won. Each kernel timing
     includes preparing the call (make_case), so a small GEMM whose launch costs more on the CPU
     than it saves on the GPU stays on ATen."""
     import triton.testing
 
-    progress = _Progress(f"{case.kernel_name} M{case.M} N{case.N} K{case.K}", len(cands) + 1)
+    progress = cache.Progress(f"{case.kernel_name} M{case.M} N{case.N} K{case.K}", len(cands) + 1)
     outs = case.new_outputs()
     best, best_ms = None, triton.testing.do_bench(reference_fn, warmup=5, rep=20, return_mode="median")
     progress.step(1)
