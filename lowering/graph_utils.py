@@ -22,9 +22,10 @@ def is_one(size) -> bool:
 
 
 def location(node: torch.fx.Node) -> str:
-    """'file.py:42 in forward' from the user's stack trace, or the node name."""
+    """'file.py:42 in forward' from the user's stack trace, or the node name. Frames inside
+    torch_xaccel/substitutions.py (a substituted library function) are skipped: the caller is the news."""
     trace = node.meta.get("stack_trace") or ""
-    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', trace)
+    frames = [f for f in re.findall(r'File "([^"]+)", line (\d+), in (\S+)', trace) if not f[0].endswith("torch_xaccel/substitutions.py")]
     if not frames:
         return node.name
     path, line, fn = frames[-1]

@@ -310,9 +310,15 @@ def _match(h: torch.fx.Node, seen: list):
 
 
 def run(gm: torch.fx.GraphModule, report: GraphReport, training: bool) -> None:
+    from torch_xaccel.substitutions import FILE_MARK
+
     from . import mlstm_provenance
 
-    mlstm_provenance.run(gm, report)  # known library kernels first, then the parallel form
+    for node in gm.graph.nodes:  # calls Dynamo traced from torch_xaccel/substitutions.py
+        if node.target is torch.ops.xaccel.mlstm.default and FILE_MARK in (node.meta.get("stack_trace") or ""):
+            report.replacements.append(Replacement(FAMILY, "xaccel.mlstm", "mlstm_kernels native chunkwise (substituted "
+                                                   "while Dynamo traced)", location(node)))
+    mlstm_provenance.run(gm, report)  # known library kernels next, then the parallel form
     graph = gm.graph
     misses: dict = {}  # logsigmoid node -> (depth, reason, where): one report per would-be mLSTM
     gone: set = set()

@@ -18,6 +18,9 @@ from . import config as _config
 from . import ops  # noqa: F401  (registers torch.ops.xaccel.*)
 from .errors import XaccelFallbackWarning
 from .report import Fallback, new_graph_report, publish
+from .substitutions import register as _register_substitutions
+
+_register_substitutions()  # before Dynamo traces anything for this backend
 
 
 def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str):
@@ -41,6 +44,7 @@ def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str):
 
 
 def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **_options):
+    _register_substitutions()  # a library imported after the backend loaded: its next trace
     cfg = _config.load()
     report = new_graph_report()
     report.fallback_backend, report.patterns = cfg.fallback, tuple(sorted(cfg.patterns))

@@ -247,7 +247,8 @@ def run_model_case(case: Case) -> list:
         for mode in ("inference", "train"):
             torch._dynamo.reset()
             try:
-                cfg = xLSTMLargeConfig(vocab_size=50304, chunk_size=64, mode=mode, return_last_states=False,
+                # xlstm 2.0.6's train mode needs return_last_states=True (else the layer unpacks h)
+                cfg = xLSTMLargeConfig(vocab_size=50304, chunk_size=64, mode=mode, return_last_states=mode == "train",
                                        **dims, **kernels)
                 torch.manual_seed(0)
                 model = xLSTMLarge(cfg).to("cuda", torch.bfloat16)
@@ -259,7 +260,7 @@ def run_model_case(case: Case) -> list:
                 else:
                     def run():
                         model.zero_grad(set_to_none=True)
-                        logits = fn(tokens)
+                        logits = fn(tokens)[0]
                         torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
                 t0 = time.perf_counter()
                 run()
