@@ -41,7 +41,7 @@ def _kernel(template: str, dtype: torch.dtype, **extra):
     return _KERNELS[key]
 
 
-INTERPRETER_CONFIG = dict(L=16, BV=16, BK=16, BVS=16, warps=4, stages=1)
+INTERPRETER_CONFIG = dict(L=16, BV=16, BK=16, BVS=16, warps=4, stages=1, scan="fused")
 
 
 def _fit(cfg: dict, DK: int, DV: int) -> dict:
@@ -50,19 +50,25 @@ def _fit(cfg: dict, DK: int, DV: int) -> dict:
 
 def forward_candidates(DK: int, DV: int) -> list[dict]:
     """Configs timed once per shape class: chunk length L, DV tile of the output kernel (BV),
-    state tile of the scan (BK x BVS), warps, pipeline stages. The first is the default, the best
+    state tile of the scan (BK x BVS), warps, pipeline stages, scan variant ("fused" or "split",
+    see chunk_states; SB: the split scan's block). The first is the default, the best
     of benchmarks/mlstm_sweep.py on the H200 (bf16, Triton 3.6): 1.33 ms at B8 NH16 S8192 128/128
-    and 1.96 ms at the 7B head shape, against 1.5-8.8 ms for the other tiles tried there."""
-    base = dict(L=128, BV=128, BK=64, BVS=128, warps=8, stages=2)
+    and 1.96 ms at the 7B head shape, against 1.5-8.8 ms for the other tiles tried there. The
+    "split" candidates are checked in the interpreter and not yet timed on a GPU."""
+    base = dict(L=128, BV=128, BK=64, BVS=128, warps=8, stages=2, scan="fused")
+    split = dict(base, scan="split", BK=128, SB=1024)  # chunk contributions in parallel, elementwise scan
     return [_fit(c, DK, DV) for c in (base, dict(base, BK=32), dict(base, BVS=64), dict(base, stages=3),
-                                      dict(base, L=64))]
+                                      dict(base, L=64), split, dict(split, SB=512), dict(split, L=64))]
 
 
 def backward_candidates(DK: int, DV: int) -> list[dict]:
     """Same keys. L64 with BV32 was the fastest tried at both head shapes (BV64 at L64 overflows
-    shared memory at 256/512); 4 warps won at 128/128, 8 at 256/512."""
-    base = dict(L=64, BV=32, BK=64, BVS=64, warps=8, stages=2)
-    return [_fit(c, DK, DV) for c in (base, dict(base, warps=4), dict(base, BK=32), dict(base, BVS=128))]
+    shared memory at 256/512); 4 warps won at 128/128, 8 at 256/512. The "split" candidates are
+    checked in the interpreter and not yet timed on a GPU."""
+    base = dict(L=64, BV=32, BK=64, BVS=64, warps=8, stages=2, scan="fused")
+    split = dict(base, scan="split", BK=128, BVS=128, SB=1024)
+    return [_fit(c, DK, DV) for c in (base, dict(base, warps=4), dict(base, BK=32), dict(base, BVS=128),
+                                      split, dict(split, warps=4))]
 
 
 def forward_config(DK: int, DV: int) -> dict:
@@ -128,11 +134,15 @@ def _supported(q, k, v, S) -> bool:
             and all(t.dtype == q.dtype for t in (k, v)))
 
 
-def chunk_states(k, v, i, f, C0, n0, m0, L, BK, BVS, warps, stages):
+def chunk_states(k, v, i, f, C0, n0, m0, cfg):
     """Run the sequential scan: (Cs, ns, ms) the state entering each chunk ([B*H*NC*DK*DV] in the
-    input dtype, [.. DK] and [..] fp32) and the final state (C, n, m) in fp32."""
+    input dtype, [.. DK] and [..] fp32) and the final state (C, n, m) in fp32. cfg["scan"]:
+    "fused" walks the chunks with one matmul per step (mlstm_chunk_states); "split" computes every
+    chunk's contribution in parallel first (mlstm_chunk_kv), then walks the chunks elementwise
+    (mlstm_scan)."""
     B, H, S, DK = k.shape
     DV = v.shape[-1]
+    L, BK, BVS, stages = cfg["L"], cfg["BK"], cfg["BVS"], cfg["stages"]
     NC = -(-S // L)
     dev, f32 = k.device, torch.float32
     Cs = torch.empty(B * H * NC * DK * DV, dtype=k.dtype, device=dev)
@@ -146,9 +156,19 @@ def chunk_states(k, v, i, f, C0, n0, m0, L, BK, BVS, warps, stages):
         C0, n0, m0 = (t.float().contiguous() for t in (C0, n0, m0))
     else:
         C0, n0, m0 = C, n, m  # unused by the kernel
+    if cfg.get("scan", "fused") == "split":
+        K = torch.empty(B * H * NC * (DK * DV + DK), dtype=k.dtype, device=dev)
+        g, mloc = torch.empty(B * H * NC, dtype=f32, device=dev), torch.empty(B * H * NC, dtype=f32, device=dev)
+        _kernel("mlstm_chunk_kv.py.jinja", k.dtype)[(B * H * NC, DK // BK, DV // BVS)](
+            k, v, i, f, K, g, mloc, S, NC, DK ** -0.5, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=cfg["warps"])
+        block = cfg.get("SB", 1024)
+        _kernel("mlstm_scan.py.jinja", k.dtype, has_state=has_state)[(B * H, -(-(DK * DV + DK) // block))](
+            K, g, mloc, C0, n0, m0, Cs, ns, ms, C, n, m, NC, DK=DK, DV=DV, BLOCK=block, num_warps=4,
+            num_stages=stages)
+        return (Cs, ns, ms), (C, n, m)
     _kernel("mlstm_chunk_states.py.jinja", k.dtype, has_state=has_state)[(B * H, DK // BK, DV // BVS)](
         k, v, i, f, C0, n0, m0, Cs, ns, ms, C, n, m, S, NC, DK ** -0.5,
-        DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=min(warps, 4), num_stages=stages)
+        DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=min(cfg["warps"], 4), num_stages=stages)
     return (Cs, ns, ms), (C, n, m)
 
 
@@ -169,7 +189,7 @@ def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps):
     B, H, S, DK = q.shape
     DV = v.shape[-1]
     L = cfg["L"]
-    (Cs, ns, ms), (C, n, m) = chunk_states(k, v, i, f, C0, n0, m0, L, cfg["BK"], cfg["BVS"], cfg["warps"], cfg["stages"])
+    (Cs, ns, ms), (C, n, m) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
     h = torch.empty(B, H, S, DV, dtype=q.dtype, device=q.device)
     NC = -(-S // L)
     _kernel("mlstm_fwd.py.jinja", q.dtype)[(B * H, NC, DV // cfg["BV"])](
@@ -232,18 +252,31 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h):
     dev, f32 = q.device, torch.float32
     L, BK, BVS, warps, stages = cfg["L"], cfg["BK"], cfg["BVS"], cfg["warps"], cfg["stages"]
     NC, NT = -(-S // L), (DK // BK) * (DV // BVS)
-    (Cs, ns, ms), (CT, nT, mT) = chunk_states(k, v, i, f, C0, n0, m0, L, BK, BVS, warps, stages)
+    (Cs, ns, ms), (CT, nT, mT) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
     N, dden, hdh, dm = (torch.empty(B, H, S, device=dev, dtype=f32) for _ in range(4))
     _kernel("mlstm_bwd_rows.py.jinja", q.dtype)[(B * H, NC)](
         q, k, i, f, h, dh, ns, ms, N, dden, hdh, dm, S, NC, DK ** -0.5, eps,
         DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     dCs, dns = torch.empty_like(Cs), torch.empty_like(ns)
-    dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)
-    dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
     dC0, dn0 = torch.empty_like(gC), torch.empty_like(gn)
-    _kernel("mlstm_bwd_states.py.jinja", q.dtype)[(B * H, DK // BK, DV // BVS)](
-        q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0, S, NC, NT,
-        DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=min(warps, 4), num_stages=stages)
+    if cfg.get("scan", "fused") == "split":
+        block = cfg.get("SB", 1024)
+        NT = -(-(DK * DV + DK) // block)
+        Q = torch.empty(B * H * NC * (DK * DV + DK), dtype=q.dtype, device=dev)
+        g = torch.empty(B * H * NC, dtype=f32, device=dev)
+        _kernel("mlstm_bwd_chunk_dq.py.jinja", q.dtype)[(B * H * NC, DK // BK, DV // BVS)](
+            q, dh, i, f, N, dden, ms, Q, g, S, NC, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=warps)
+        dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)
+        dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
+        _kernel("mlstm_bwd_scan.py.jinja", q.dtype)[(B * H, NT)](
+            Q, g, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0, NC, NT,
+            DK=DK, DV=DV, BLOCK=block, num_warps=4, num_stages=stages)
+    else:
+        dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)
+        dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
+        _kernel("mlstm_bwd_states.py.jinja", q.dtype)[(B * H, DK // BK, DV // BVS)](
+            q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0, S, NC, NT,
+            DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=min(warps, 4), num_stages=stages)
     dg = dg.sum(-1)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     di, dlogf = torch.empty(B, H, S, device=dev, dtype=f32), torch.empty(B, H, S, device=dev, dtype=f32)
