@@ -9,6 +9,58 @@ from torch_xaccel.ops import mlstm
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def _default_configs(monkeypatch):
+    """Every shape class would tune its kernel configs (5-8 candidates each); tests of the kernels'
+    math use the defaults, and the candidates are checked one by one below."""
+    from torch_xaccel.codegen import triton_mlstm
+
+    monkeypatch.setattr(triton_mlstm, "TUNE", False)
+
+
+@pytest.mark.parametrize("DK,DV", [(128, 128), (256, 512)])
+def test_every_tuning_candidate_matches_reference(DK, DV):
+    """Whatever config tuning picks must be right: each forward and backward candidate (both scan
+    variants) against the fp64 reference / analytic backward, bf16, odd S, with a state."""
+    from torch_xaccel.codegen import triton_mlstm
+    from torch_xaccel.ops.mlstm_backward import backward as analytic
+
+    torch.manual_seed(DK)
+    B, H, S = 1, 2, 333
+    mk = lambda *s: torch.randn(*s, device="cuda")  # noqa: E731
+    x = [mk(B, H, S, DK).bfloat16(), mk(B, H, S, DK).bfloat16(), mk(B, H, S, DV).bfloat16(), mk(B, H, S), mk(B, H, S) + 3]
+    st = [mk(B, H, DK, DV) * .1, mk(B, H, DK) * .1, mk(B, H)]
+    want = mlstm.reference(*(t.double() for t in x + st))
+    cots = [mk(B, H, S, DV), mk(B, H, DK, DV), mk(B, H, DK), mk(B, H)]
+    want_g = analytic(*(c.double() for c in cots), *(t.double() for t in x + st))
+    h = None
+    for cfg in triton_mlstm.forward_candidates(DK, DV):
+        got = triton_mlstm._forward(cfg, *x, *st, 1e-6)
+        assert all(rel_err(g, w) <= 1e-2 for g, w in zip(got, want)), cfg
+        h = got[0]
+    for cfg in triton_mlstm.backward_candidates(DK, DV):
+        got = triton_mlstm._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, h)
+        assert all(rel_err(g, w) <= 5e-2 for g, w in zip(got, want_g)), cfg
+
+
+def test_tuning_persists_a_decision_and_ignores_a_corrupt_entry(monkeypatch, tmp_path):
+    from torch_xaccel.codegen import cache, triton_mlstm
+
+    monkeypatch.setattr(triton_mlstm, "TUNE", True)
+    monkeypatch.setenv("XACCEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(triton_mlstm, "_CHOSEN", {})
+    x = [torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    x += [torch.randn(1, 2, 256, device="cuda"), torch.randn(1, 2, 256, device="cuda") + 3]
+    triton_mlstm.forward(None, *x, None, None, None, 1e-6, 64)
+    files = list((tmp_path / "tuning").glob("*.json"))
+    assert len(files) == 1 and "mlstm_fwd" in files[0].read_text()
+    files[0].write_text("{not json")
+    monkeypatch.setattr(triton_mlstm, "_CHOSEN", {})
+    h = triton_mlstm.forward(None, *x, None, None, None, 1e-6, 64)[0]
+    assert cache.read_entry("tuning", next(iter(triton_mlstm._CHOSEN))) is not None  # rebuilt
+    assert rel_err(h, mlstm.reference(*(t.double() for t in x))[0]) <= 1e-2
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,H,S,DK,DV", [(2, 4, 1000, 128, 128), (1, 2, 333, 256, 512), (2, 2, 257, 64, 128)])
 @pytest.mark.parametrize("with_state", [False, True])

@@ -93,3 +93,58 @@ def test_xlstm_large_native_on_cuda_runs_the_kernels_and_matches_eager():
         got = torch.compile(model, backend="xaccel")(tokens)
     assert rel_err(got, want) <= 1e-4
     assert torch_xaccel.last_report(1).counts()["mlstm"] == 2
+
+
+def _block_stack():
+    from xlstm import mLSTMBlockConfig, mLSTMLayerConfig, xLSTMBlockStack, xLSTMBlockStackConfig
+
+    cfg = xLSTMBlockStackConfig(
+        mlstm_block=mLSTMBlockConfig(mlstm=mLSTMLayerConfig(conv1d_kernel_size=4, qkv_proj_blocksize=4, num_heads=4)),
+        context_length=48, num_blocks=2, embedding_dim=64, slstm_at=[])
+    torch.manual_seed(0)
+    return xLSTMBlockStack(cfg)
+
+
+@pytest.mark.parametrize("S", [48, 30])  # the layer's own causal-mask buffer (S = context) or a fresh one
+def test_xlstm_block_stack_mlstm_layer_replaced_equal_in_forward_and_gradients(S):
+    """The older xLSTMBlockStack's mLSTM cell (parallel_stabilized_simple: [B, NH, S, 1] gates,
+    torch.max, a cat/repeat decay matrix) runs as xaccel.mlstm, equal to eager in fp32."""
+    model, x = _block_stack(), torch.randn(2, S, 64)
+    want = model(x)
+    want.square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch._dynamo.reset()
+    got = torch.compile(model, backend="xaccel")(x)
+    got.square().mean().backward()
+    assert rel_err(got, want) <= 1e-5
+    assert torch_xaccel.last_report(1).counts()["mlstm"] == 2, str(torch_xaccel.last_report(1))
+    assert rel_err(torch.cat([p.grad.flatten() for p in model.parameters()]), torch.cat([g.flatten() for g in grads])) <= 1e-5
+
+
+def test_xlstm_block_stack_runs_library_code_when_mlstm_is_switched_off(monkeypatch):
+    monkeypatch.setenv("XACCEL_PATTERNS", "gemm_epilogue")
+    model, x = _block_stack().eval(), torch.randn(2, 48, 64)
+    torch._dynamo.reset()
+    from torch_xaccel.report import Report, collect
+
+    with torch.no_grad(), collect() as graphs:
+        want = model(x)
+        got = torch.compile(model, backend="xaccel")(x)
+    assert rel_err(got, want) <= 1e-6
+    assert graphs and Report(graphs=graphs).counts()["mlstm"] == 0
+
+
+def test_substituted_parallel_form_refuses_a_mask_that_is_not_causal():
+    """A mask argument the library would use as given must be lower-triangular: otherwise the
+    compiled call raises instead of silently computing the causal result."""
+    from xlstm.blocks.mlstm.backends import parallel_stabilized_simple
+
+    S = 16
+    x = [torch.randn(1, 2, S, 8) for _ in range(3)] + [torch.randn(1, 2, S, 1), torch.randn(1, 2, S, 1) + 2]
+    fn = torch.compile(lambda *a, mask: parallel_stabilized_simple(*a, lower_triangular_matrix=mask), backend="xaccel")
+    torch._dynamo.reset()
+    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    assert rel_err(fn(*x, mask=causal), parallel_stabilized_simple(*x, lower_triangular_matrix=causal)) <= 1e-5
+    with pytest.raises(RuntimeError, match="not lower-triangular"):
+        fn(*x, mask=torch.ones(S, S, dtype=torch.bool))
