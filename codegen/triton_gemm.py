@@ -219,6 +219,8 @@ def provider(key, a, bs, operands, epilogue, b_transposed):
     cfg = _DECISIONS.get(key, "unset")
     if cfg is None:
         return NotImplemented  # ATen measured faster for this shape class
+    if cfg == "unset" and a.is_cuda and torch.cuda.is_current_stream_capturing():
+        return NotImplemented  # no timing inside a CUDA-graph capture: ATen now, tune on an uncaptured call
     case = _Case(a, bs, operands, epilogue, b_transposed)
     if cfg == "unset":
         cfg = choose(case, lambda: reference(a, bs, operands, epilogue, b_transposed),

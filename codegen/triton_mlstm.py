@@ -102,6 +102,8 @@ def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch) -> dict:
         return _CHOSEN[key]
     valid = lambda e: isinstance(e, dict) and e.get("config") in cands  # noqa: E731 - unknown config: retune
     entry = cache.read_entry("tuning", key)
+    if not valid(entry) and torch.cuda.is_current_stream_capturing():
+        return default  # no timing inside a CUDA-graph capture; tune on a later, uncaptured call
     if not valid(entry):
         with cache.locked(cache.key_name(key)):
             entry = cache.read_entry("tuning", key)  # another process may have tuned meanwhile

@@ -140,3 +140,25 @@ def test_backward_kernel_matches_analytic_backward(B, H, S, DK, DV, with_state):
     for g, w in zip(got, want):
         if w is not None:
             assert rel_err(g, w) <= 5e-2
+
+
+def test_first_call_inside_a_cuda_graph_capture_uses_the_default_and_persists_nothing(monkeypatch, tmp_path):
+    """Timing is impossible during a capture: the default config runs and nothing is written, so
+    a later uncaptured call still tunes."""
+    from torch_xaccel.codegen import triton_mlstm
+
+    monkeypatch.setattr(triton_mlstm, "TUNE", True)
+    monkeypatch.setenv("XACCEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(triton_mlstm, "_CHOSEN", {})
+    x = [torch.randn(1, 2, 200, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    x += [torch.randn(1, 2, 200, device="cuda"), torch.randn(1, 2, 200, device="cuda") + 3]
+    triton_mlstm.forward(None, *x, None, None, None, 1e-6, 64)  # compile outside the capture ...
+    monkeypatch.setattr(triton_mlstm, "_CHOSEN", {})
+    for p in (tmp_path / "tuning").glob("*.json"):
+        p.unlink()  # ... then forget the decision
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        h = triton_mlstm.forward(None, *x, None, None, None, 1e-6, 64)[0]
+    graph.replay()
+    assert rel_err(h, mlstm.reference(*(t.double() for t in x))[0]) <= 1e-2
+    assert not list((tmp_path / "tuning").glob("*.json"))
