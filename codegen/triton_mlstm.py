@@ -1,11 +1,12 @@
-"""Generated Triton kernels for xaccel::mlstm (forward) and xaccel::mlstm_step. Rendered per
-(initial state or not, input dtype); head dims, chunk size and the DV tile are compile-time
-constants of the kernel.
+"""Generated Triton kernels for xaccel::mlstm (forward, backward) and xaccel::mlstm_step, rendered
+from templates/mlstm_*.py.jinja per input dtype (and initial state or not, where it matters);
+head dims, chunk length and tiles are compile-time constants.
 
-The chunkwise form is split so that only the state scans are sequential: mlstm_chunk_states
-(the state entering every chunk, tiled over DK x DV) and mlstm_fwd (every chunk's output in
-parallel); the backward adds mlstm_bwd_rows (per-row normalizer terms), mlstm_bwd_states (the
-reverse state-gradient scan) and mlstm_bwd (every chunk's gradients in parallel)."""
+The chunkwise form is split so that only the state scans are sequential: the state entering every
+chunk (mlstm_chunk_states, or the "split" pair mlstm_chunk_kv + mlstm_scan) and then every chunk's
+output in parallel (mlstm_fwd); the backward adds mlstm_bwd_rows (per-row normalizer terms), the
+reverse state-gradient scan (mlstm_bwd_states, or mlstm_bwd_chunk_dq + mlstm_bwd_scan) and
+mlstm_bwd (every chunk's gradients in parallel). Configs are tuned once per shape class (_tuned)."""
 from __future__ import annotations
 
 import hashlib

@@ -363,9 +363,14 @@ def run(gm: torch.fx.GraphModule, report: GraphReport, training: bool) -> None:
         report.replacements.append(Replacement(FAMILY, "xaccel.mlstm", "parallel stabilized form", location(h)))
         for ls in [n for n in misses if n in gone]:
             del misses[ls]  # its mLSTM was matched from another candidate
-    for depth, reason, where in misses.values():
+    # what the structural walk missed: try each enclosing user function as a whole, by numeric proof
+    proven = mlstm_provenance.run_on_functions(gm, report, list(misses))
+    for ls, (depth, reason, where) in misses.items():
+        if proven.get(ls, "") is None:
+            continue
+        whole = f"; as a whole function: {proven[ls]}" if proven.get(ls) else ""
         report.fallbacks.append(Fallback(FAMILY, f"mLSTM-like code (a logsigmoid of a gate) not in a recognized form; "
-                                                 f"closest candidate failed at: {reason}", where))
+                                                 f"closest candidate failed at: {reason}{whole}", where))
 
 
 def _logsigmoid_upstream(h: torch.fx.Node):

@@ -49,5 +49,7 @@ def test_known_kernel_is_replaced_after_verification(known):
 
 def test_kernel_that_computes_something_else_is_left_alone(known):
     report = check_compiled(lambda *x: model(*x, wrong_kernel), _inputs(1), tol=1e-6)
-    assert report.counts()["mlstm"] == 0
+    assert not [r for r in report.replacements if "wrong kernel" in r.pattern]
     assert any("test wrong kernel: not replaced, no assignment" in f.reason for f in report.fallbacks), str(report)
+    # its inner call (an exact mLSTM on the rescaled q) may still be proven and replaced on its own;
+    # check_compiled has asserted that the result is unchanged either way
