@@ -205,6 +205,11 @@ def run(gm: torch.fx.GraphModule, report: GraphReport, training: bool) -> None:
                 for name, o in list(outs.items()):
                     if src is o and val(n).dtype == val(o).dtype:
                         outs[f"{name}@{n.name}"] = n
+        # likewise a same-dtype cast of an input is that input: code that writes the new state back
+        # into the old one (xLSTMLarge's inference: state.copy_(new)) reaches it through the cast
+        for n in list(region):
+            if _is(n, *_CASTS) and n.args[0] in ins.values() and val(n).dtype == val(n.args[0]).dtype:
+                n.replace_all_uses_with(n.args[0], delete_user_cb=lambda u: u not in region)
         escaped = [n.name for n in region if n not in outs.values() and any(u not in region for u in n.users)]
         shapes_ok = all(isinstance(val(t), torch.Tensor) for t in ins.values()) and val(ins["q"]).dim() == 3
         if escaped or not shapes_ok:

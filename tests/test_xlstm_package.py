@@ -148,3 +148,30 @@ def test_substituted_parallel_form_refuses_a_mask_that_is_not_causal():
     assert rel_err(fn(*x, mask=causal), parallel_stabilized_simple(*x, lower_triangular_matrix=causal)) <= 1e-5
     with pytest.raises(RuntimeError, match="not lower-triangular"):
         fn(*x, mask=torch.ones(S, S, dtype=torch.bool))
+
+
+def test_xlstm_large_native_decode_steps_replaced_and_equal_to_eager():
+    """Inference with states: prefill, then one-token steps. xLSTMLarge writes each new state back
+    into the old tensors (copy_), which the step pass sees through same-dtype casts of its inputs;
+    every step becomes xaccel.mlstm_step; logits and states equal eager (fp32)."""
+    cfg = xlstm_large.xLSTMLargeConfig(
+        embedding_dim=128, num_heads=2, num_blocks=2, vocab_size=97, chunk_size=16, mode="inference",
+        chunkwise_kernel="chunkwise--native_autograd", sequence_kernel="native_sequence__native",
+        step_kernel="native", return_last_states=True)
+    torch.manual_seed(0)
+    model = xlstm_large.xLSTMLarge(cfg).eval()
+    prompt, steps = torch.randint(0, 97, (2, 32)), torch.randint(0, 97, (2, 3))
+    clone = lambda st: {b: tuple(t.clone() for t in s) for b, s in st.items()}  # noqa: E731 - the model writes states in place
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend="xaccel")
+    with torch.no_grad():
+        _, want_state = model(prompt)
+        _, got_state = fn(prompt)
+        for t in range(steps.shape[1]):
+            want, want_state = model(steps[:, t:t + 1], clone(want_state))
+            got, got_state = fn(steps[:, t:t + 1], clone(got_state))
+            assert torch_xaccel.last_report(1).counts()["mlstm_step"] == 2, str(torch_xaccel.last_report(1))
+            assert rel_err(got, want) <= 1e-5
+    for b in want_state:
+        for g, w in zip(got_state[b], want_state[b]):
+            assert rel_err(g, w) <= 1e-5

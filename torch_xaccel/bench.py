@@ -32,9 +32,38 @@ class Case:
 
 
 def _bench(fn, train: bool) -> float:
+    if not torch.cuda.is_available():  # CPU smoke runs (`model --quick`): the code path, not a timing
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=10 if train else 25, rep=50 if train else 100, return_mode="median")
+
+
+def _graphed(fn):
+    """fn captured in a CUDA graph after warm-up calls on a side stream: returns the replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _rel(a, b) -> float:
@@ -216,10 +245,14 @@ def run_mlstm_case(case: Case) -> list:
 
 
 def xlstm_model(B=4, S=2048, quick=False):
-    """xLSTMLarge at 7B widths (embedding 4096, 8 heads, 4 blocks, vocab 50304), bf16: prefill and
-    a train step, for the xlstm package's Triton configuration (the anchor) and its native
-    configuration compiled with backend="xaccel"."""
-    dims = dict(embedding_dim=1024, num_heads=4, num_blocks=2) if quick else dict(embedding_dim=4096, num_heads=8, num_blocks=4)
+    """xLSTMLarge at 7B widths (embedding 4096, 8 heads, 4 blocks, vocab 50304), bf16: prefill, a
+    train step and one-token decode latency at batch 1 and 8 (plain and in a CUDA graph), for the
+    xlstm package's Triton configuration (the anchor) and its native configuration compiled with
+    backend="xaccel". `--quick` shrinks it (and runs on a CPU as a smoke test of the code path)."""
+    dims = dict(embedding_dim=4096, num_heads=8, num_blocks=4)
+    if quick:
+        dims = dict(embedding_dim=1024, num_heads=4, num_blocks=2) if torch.cuda.is_available() else \
+            dict(embedding_dim=256, num_heads=2, num_blocks=2)
     return Case(f"xLSTMLarge {dims['embedding_dim']}x{dims['num_blocks']} B{B} S{S} bf16", B * S,
                 lambda: (dims, B, S), runner="model")
 
@@ -231,11 +264,13 @@ def run_model_case(case: Case) -> list:
     from xlstm.xlstm_large.model import xLSTMLarge, xLSTMLargeConfig
 
     (dims, B, S), rows = case.make(), []
-    tokens = torch.randint(0, 50304, (B, S), device="cuda")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    tokens = torch.randint(0, 50304, (B, S), device=dev)
 
-    def add(path, ms, extra=""):
-        rows.append(dict(case=case.name, path=path, ms=ms, tflops=case.flop / ms / 1e3, extra=extra))
-        print(f"  {path:44s} {ms:9.3f} ms  {case.flop / ms:8.0f} k tok/s  {extra}", flush=True)
+    def add(path, ms, extra="", tokens=None):
+        tokens = tokens or case.flop
+        rows.append(dict(case=case.name, path=path, ms=ms, tflops=tokens / ms / 1e3, extra=extra))
+        print(f"  {path:52s} {ms:9.3f} ms  {tokens / ms:8.1f} k tok/s  {extra}", flush=True)
 
     configs = {
         "xlstm Triton kernels (anchor)": dict(chunkwise_kernel="chunkwise--triton_limit_chunk",
@@ -251,7 +286,7 @@ def run_model_case(case: Case) -> list:
                 cfg = xLSTMLargeConfig(vocab_size=50304, chunk_size=64, mode=mode, return_last_states=mode == "train",
                                        **dims, **kernels)
                 torch.manual_seed(0)
-                model = xLSTMLarge(cfg).to("cuda", torch.bfloat16)
+                model = xLSTMLarge(cfg).to(dev, torch.bfloat16)
                 fn = torch.compile(model, backend="xaccel") if "xaccel" in name else model
                 if mode == "inference":
                     def run():
@@ -264,13 +299,36 @@ def run_model_case(case: Case) -> list:
                         torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
                 t0 = time.perf_counter()
                 run()
-                torch.cuda.synchronize()
+                _sync()
                 first = time.perf_counter() - t0
                 add(f"{name}, {'prefill' if mode == 'inference' else 'train step'}", _bench(run, True),
                     f"first call {first:.1f}s")
             except Exception as e:  # noqa: BLE001 - a configuration that fails is a finding
                 print(f"  {name}, {mode}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
-            torch.cuda.empty_cache()
+            _empty_cache()
+        for b in (1, 8):  # one-token latency after a 64-token prompt, plain and in a CUDA graph
+            torch._dynamo.reset()
+            try:
+                cfg = xLSTMLargeConfig(vocab_size=50304, chunk_size=64, mode="inference", return_last_states=True,
+                                       **dims, **kernels)
+                torch.manual_seed(0)
+                model = xLSTMLarge(cfg).to(dev, torch.bfloat16)
+                fn = torch.compile(model, backend="xaccel") if "xaccel" in name else model
+                with torch.inference_mode():
+                    _, state = fn(torch.randint(0, 50304, (b, 64), device=dev))
+                    tok = torch.randint(0, 50304, (b, 1), device=dev)
+                    t0 = time.perf_counter()
+                    fn(tok, state)
+                    _sync()
+                    first = time.perf_counter() - t0
+                    add(f"{name}, decode B{b} one token", _bench(lambda: fn(tok, state), False), f"first call {first:.1f}s",
+                        tokens=b)
+                    if dev == "cuda":
+                        add(f"{name}, decode B{b} one token, CUDA graph", _bench(_graphed(lambda: fn(tok, state)), False),
+                            tokens=b)
+            except Exception as e:  # noqa: BLE001
+                print(f"  {name}, decode B{b}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+            _empty_cache()
     base = rows[0]["ms"] if rows else 1.0
     for r in rows:
         r["vs_cublas"], r["vs_xaccel"] = r["ms"] / base, r["ms"] / base
@@ -280,7 +338,8 @@ def run_model_case(case: Case) -> list:
 SUITES = {
     "gemm": lambda quick: ([gelu_residual(4096 if quick else 16384), gelu_residual(128), swiglu(4096 if quick else 16384),
                             mlp_train(4096 if quick else 16384)]),
-    "model": lambda quick: [xlstm_model(quick=quick) if not quick else xlstm_model(B=2, S=512, quick=True)],
+    "model": lambda quick: [xlstm_model(quick=quick) if not quick else
+                            xlstm_model(B=2, S=512 if torch.cuda.is_available() else 128, quick=True)],
     "mlstm": lambda quick: [mlstm_fwd(8, 16, 2048 if quick else 8192, 128, 128), mlstm_fwd(8, 8, 1024 if quick else 4096, 256, 512),
                             mlstm_decode(1), mlstm_decode(8)],
 }
@@ -305,16 +364,7 @@ def run_case(case: Case, max_autotune: bool) -> list:
     if max_autotune and not case.train:
         paths.append(("inductor max-autotune", dict(mode="max-autotune-no-cudagraphs")))
     def graphed(fn):
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn(*args)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn(*args)
-        return graph.replay
+        return _graphed(lambda: fn(*args))
 
     if case.graphs:
         add("eager, CUDA graph", _bench(graphed(fn), False))
@@ -392,15 +442,16 @@ def main(argv=None) -> int:
     p.add_argument("--no-max-autotune", action="store_true")
     p.add_argument("--only", default="", help="run only the cases whose name contains this text")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks need a CUDA GPU")
+    smoke = not torch.cuda.is_available()
+    if smoke and not (args.suite == "model" and args.quick):
+        print("benchmarks need a CUDA GPU (without one, only `model --quick` runs, as a smoke test of the code path)")
         return 2
     import triton
 
     import torch_xaccel  # noqa: F401
 
     torch._dynamo.config.cache_size_limit = 64
-    gpu = torch.cuda.get_device_name()
+    gpu = "CPU smoke run, timings meaningless" if smoke else torch.cuda.get_device_name()
     # the device machine gets a copy of the tree without .git: pass XACCEL_COMMIT from the checkout
     commit = os.environ.get("XACCEL_COMMIT") or os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip() or "unknown"
     header = (f"{args.suite}: {time.strftime('%Y-%m-%d')}, {gpu}, torch {torch.__version__}, triton {triton.__version__}, "
@@ -412,7 +463,7 @@ def main(argv=None) -> int:
             continue
         runner = {"mlstm": run_mlstm_case, "model": run_model_case, "decode": run_decode_case}.get(case.runner)
         rows += runner(case) if runner else run_case(case, not args.no_max_autotune)
-        torch.cuda.empty_cache()
+        _empty_cache()
     md = markdown(rows, header)
     print("\n" + md)
     os.makedirs(args.out, exist_ok=True)
