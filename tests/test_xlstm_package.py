@@ -175,3 +175,17 @@ def test_xlstm_large_native_decode_steps_replaced_and_equal_to_eager():
     for b in want_state:
         for g, w in zip(got_state[b], want_state[b]):
             assert rel_err(g, w) <= 1e-5
+
+
+@pytest.mark.gpu
+def test_xlstm_large_native_bf16_on_cuda_runs_through_the_kernels():
+    """The issue's case: bf16 native configuration, which raises eagerly, compiled with xaccel on
+    CUDA (mLSTM and GEMM kernels): within 2e-2 of the fp32 model with the same weights."""
+    model, tokens = _model().cuda(), torch.randint(0, 97, (2, 64), device="cuda")
+    with torch.no_grad():
+        want = model(tokens)
+        model = model.to(torch.bfloat16)
+        torch._dynamo.reset()
+        got = torch.compile(model, backend="xaccel")(tokens)
+    assert rel_err(got, want) <= 2e-2
+    assert torch_xaccel.last_report(1).counts()["mlstm"] == 2
