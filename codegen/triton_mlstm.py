@@ -196,7 +196,8 @@ def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps):
     h = torch.empty(B, H, S, DV, dtype=q.dtype, device=q.device)
     NC = -(-S // L)
     _kernel("mlstm_fwd.py.jinja", q.dtype)[(B * H, NC, DV // cfg["BV"])](
-        q, k, v, i, f, h, Cs, ns, ms, S, NC, DK ** -0.5, eps, DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=cfg["warps"], num_stages=cfg["stages"])
+        q, k, v, i, f, h, Cs, ns, ms, S, NC, DK ** -0.5, eps, DK=DK, DV=DV, BV=cfg["BV"], L=L,
+        num_warps=cfg["warps"], num_stages=cfg["stages"])
     return h, C, n, m
 
 

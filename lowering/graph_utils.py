@@ -21,14 +21,18 @@ def is_one(size) -> bool:
     return statically_known_true(size == 1)
 
 
+def frames(node: torch.fx.Node) -> list[tuple[str, str, str]]:
+    """(path, line, function) of each frame in the node's user stack trace, outermost first."""
+    return re.findall(r'File "([^"]+)", line (\d+), in (\S+)', node.meta.get("stack_trace") or "")
+
+
 def location(node: torch.fx.Node) -> str:
     """'file.py:42 in forward' from the user's stack trace, or the node name. Frames inside
     torch_xaccel/substitutions.py (a substituted library function) are skipped: the caller is the news."""
-    trace = node.meta.get("stack_trace") or ""
-    frames = [f for f in re.findall(r'File "([^"]+)", line (\d+), in (\S+)', trace) if not f[0].endswith("torch_xaccel/substitutions.py")]
-    if not frames:
+    user = [f for f in frames(node) if not f[0].endswith("torch_xaccel/substitutions.py")]
+    if not user:
         return node.name
-    path, line, fn = frames[-1]
+    path, line, fn = user[-1]
     return f"{path.rsplit('/', 1)[-1]}:{line} in {fn}"
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import operator
 import os
-import re
 
 import torch
 import torch.fx
@@ -28,7 +27,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from torch_xaccel.report import Fallback, GraphReport, Replacement
 
-from .graph_utils import location, val
+from .graph_utils import frames, location, val
 
 FAMILY = "mlstm"
 aten = torch.ops.aten
@@ -41,8 +40,7 @@ MAX_PROOF_ELEMENTS = 1 << 28  # proofs run the region at its real shapes: cap on
 
 
 def _origin(node) -> str | None:
-    trace = node.meta.get("stack_trace") or ""
-    for path, _, fn in re.findall(r'File "([^"]+)", line (\d+), in (\S+)', trace):
+    for path, fn in _frames(node):
         for (suffix, name), label in KNOWN.items():
             if fn == name and path.endswith(suffix):
                 return label
@@ -50,8 +48,7 @@ def _origin(node) -> str | None:
 
 
 def _frames(node) -> list[tuple[str, str]]:
-    trace = node.meta.get("stack_trace") or ""
-    return [(path, fn) for path, _, fn in re.findall(r'File "([^"]+)", line (\d+), in (\S+)', trace)]
+    return [(path, fn) for path, _, fn in frames(node)]
 
 
 def _regions(graph, origin=None) -> list[tuple[str, list]]:
