@@ -55,11 +55,13 @@ def forward_candidates(DK: int, DV: int) -> list[dict]:
     see chunk_states; SB: the split scan's block). The first is the default, the best
     of benchmarks/mlstm_sweep.py on the H200 (bf16, Triton 3.6): 1.33 ms at B8 NH16 S8192 128/128
     and 1.96 ms at the 7B head shape, against 1.5-8.8 ms for the other tiles tried there. The
-    "split" candidates are checked in the interpreter and not yet timed on a GPU."""
+    "split" and "persistent" candidates are checked in the interpreter and not yet timed on a GPU."""
     base = dict(L=128, BV=128, BK=64, BVS=128, warps=8, stages=2, scan="fused")
     split = dict(base, scan="split", BK=128, SB=1024)  # chunk contributions in parallel, elementwise scan
-    return [_fit(c, DK, DV) for c in (base, dict(base, BK=32), dict(base, BVS=64), dict(base, stages=3),
-                                      dict(base, L=64), split, dict(split, SB=512), dict(split, L=64))]
+    # persistent=P: the output kernel on P programs per SM walking the chunks, loads pipelined
+    return [_fit(c, DK, DV) for c in (base, dict(base, BK=32), dict(base, BVS=64), dict(base, L=64), split,
+                                      dict(split, L=64), dict(base, persistent=1), dict(split, persistent=1),
+                                      dict(split, persistent=2), dict(split, persistent=1, L=64))]
 
 
 def backward_candidates(DK: int, DV: int) -> list[dict]:
@@ -195,10 +197,20 @@ def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps):
     (Cs, ns, ms), (C, n, m) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
     h = torch.empty(B, H, S, DV, dtype=q.dtype, device=q.device)
     NC = -(-S // L)
-    _kernel("mlstm_fwd.py.jinja", q.dtype)[(B * H, NC, DV // cfg["BV"])](
-        q, k, v, i, f, h, Cs, ns, ms, S, NC, DK ** -0.5, eps, DK=DK, DV=DV, BV=cfg["BV"], L=L,
-        num_warps=cfg["warps"], num_stages=cfg["stages"])
+    args = (q, k, v, i, f, h, Cs, ns, ms, S, NC, DK ** -0.5, eps)
+    meta = dict(DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=cfg["warps"], num_stages=cfg["stages"])
+    if cfg.get("persistent"):
+        n_items = B * H * NC * (DV // cfg["BV"])
+        n_programs = min(n_items, _num_sms(q.device) * cfg["persistent"])
+        _kernel("mlstm_fwd.py.jinja", q.dtype, persistent=True)[(n_programs,)](
+            *args, n_items=n_items, n_programs=n_programs, n_iters=-(-n_items // n_programs), **meta)
+    else:
+        _kernel("mlstm_fwd.py.jinja", q.dtype, persistent=False)[(B * H, NC, DV // cfg["BV"])](*args, **meta)
     return h, C, n, m
+
+
+def _num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def step(key, q, k, v, i, f, C, n, m, eps, scale_q=False):

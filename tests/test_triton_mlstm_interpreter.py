@@ -24,8 +24,8 @@ SCRIPT = textwrap.dedent("""
         for state in (None, (torch.randn(B, H, DK, DV) * .1, torch.randn(B, H, DK) * .1, torch.randn(B, H))):
             st = state or (None, None, None)
             want = mlstm.reference(*(t.double() for t in x), *(t.double() if t is not None else None for t in st))
-            for scan in ("fused", "split"):  # the chunk-state scan's two kernel variants
-                cfg = dict(triton_mlstm.forward_config(DK, DV), scan=scan, SB=128)
+            for scan in ("fused", "split"):  # the chunk-state scan's two variants; the persistent output kernel
+                cfg = dict(triton_mlstm.forward_config(DK, DV), scan=scan, SB=128, persistent=scan == "split")
                 got = triton_mlstm._forward(cfg, *x, *st, 1e-6)
                 errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want)]
                 print((B, H, S, DK, DV), state is not None, scan, " ".join(f"{e:.1e}" for e in errs))
