@@ -66,6 +66,20 @@ def write_entry(kind: str, key: str, value) -> None:
     atomic_write(root() / kind / f"{key_name(key)}.json", json.dumps({"key": key, "value": value}, indent=1))
 
 
+def tuning_decision(key: str, valid, tune):
+    """The stored tuning value for `key` if `valid(value)`, else `tune()` run under the key's lock
+    (another process may have finished meanwhile: re-read first) and stored."""
+    value = read_entry("tuning", key)
+    if valid(value):
+        return value
+    with locked(key_name(key)):
+        value = read_entry("tuning", key)
+        if not valid(value):
+            value = tune()
+            write_entry("tuning", key, value)
+    return value
+
+
 _MODULES: dict[tuple[str, bool], object] = {}
 
 

@@ -193,19 +193,13 @@ def choose(case: _Case, reference_fn, make_case) -> tuple | None:
         return INTERPRETER
     cands = [c for c in candidates(case.M, case.ep.num_accs, case.dtype) if case.usable(c)]
     key = case.tuning_key()
-    valid = lambda v: v is None or (isinstance(v, list) and tuple(v) in cands)  # noqa: E731 - unknown config: retune
-    entry = cache.read_entry("tuning", key)
-    if entry is not None and valid(entry.get("config") if isinstance(entry, dict) else "bad"):
-        cfg = entry["config"]
-        return tuple(cfg) if cfg else None
-    with cache.locked(cache.key_name(key)):
-        entry = cache.read_entry("tuning", key)  # another process may have tuned meanwhile
-        if isinstance(entry, dict) and valid(entry.get("config", "bad")):
-            cfg = entry["config"]
-            return tuple(cfg) if cfg else None
+    valid_cfg = lambda v: v is None or (isinstance(v, list) and tuple(v) in cands)  # noqa: E731 - unknown config: retune
+
+    def tune():
         best = _tune(case, reference_fn, cands, make_case)
-        cache.write_entry("tuning", key, {"config": list(best) if best else None})
-        return best
+        return {"config": list(best) if best else None}
+    entry = cache.tuning_decision(key, lambda e: isinstance(e, dict) and valid_cfg(e.get("config", "bad")), tune)
+    return tuple(entry["config"]) if entry["config"] else None
 
 
 _DECISIONS: dict = {}

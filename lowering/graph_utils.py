@@ -7,6 +7,8 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from torch_xaccel.substitutions import FILE_MARK
+
 
 def val(node) -> object:
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
@@ -29,7 +31,7 @@ def frames(node: torch.fx.Node) -> list[tuple[str, str, str]]:
 def location(node: torch.fx.Node) -> str:
     """'file.py:42 in forward' from the user's stack trace, or the node name. Frames inside
     torch_xaccel/substitutions.py (a substituted library function) are skipped: the caller is the news."""
-    user = [f for f in frames(node) if not f[0].endswith("torch_xaccel/substitutions.py")]
+    user = [f for f in frames(node) if not f[0].endswith(FILE_MARK)]
     if not user:
         return node.name
     path, line, fn = user[-1]

@@ -22,15 +22,19 @@ def _model(mode="inference"):
     return model.eval() if mode == "inference" else model
 
 
-@pytest.mark.parametrize("S", [32, 37])
-def test_xlstm_large_native_mlstm_replaced_and_equal_to_eager(S):
-    model, tokens = _model(), torch.randint(0, 97, (2, S))
+def _eager_and_compiled(model, tokens):
+    """(eager output, compiled output, the compile's report), without autograd."""
     torch._dynamo.reset()
     with torch.no_grad():
         want = model(tokens)
         got = torch.compile(model, backend="xaccel")(tokens)
+    return want, got, torch_xaccel.last_report(1)
+
+
+@pytest.mark.parametrize("S", [32, 37])
+def test_xlstm_large_native_mlstm_replaced_and_equal_to_eager(S):
+    want, got, report = _eager_and_compiled(_model(), torch.randint(0, 97, (2, S)))
     assert rel_err(got, want) <= 1e-5
-    report = torch_xaccel.last_report(1)
     assert report.counts()["mlstm"] == 2, str(report)  # one per block
     assert all("substituted while Dynamo traced" in r.pattern for r in report.replacements if r.family == "mlstm")
     assert report.counts()["gemm_epilogue"] > 0
@@ -74,13 +78,8 @@ def test_xlstm_large_native_train_step_equal_to_eager():
 
 def test_xlstm_large_native_traces_library_code_when_mlstm_is_switched_off(monkeypatch):
     monkeypatch.setenv("XACCEL_PATTERNS", "gemm_epilogue")
-    model, tokens = _model(), torch.randint(0, 97, (2, 32))
-    torch._dynamo.reset()
-    with torch.no_grad():
-        want = model(tokens)
-        got = torch.compile(model, backend="xaccel")(tokens)
+    want, got, report = _eager_and_compiled(_model(), torch.randint(0, 97, (2, 32)))
     assert rel_err(got, want) <= 1e-5
-    report = torch_xaccel.last_report(1)
     assert report.counts()["mlstm"] == 0, str(report)
 
 

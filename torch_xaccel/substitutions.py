@@ -99,7 +99,7 @@ SUBSTITUTIONS = (
 _MODULES = {mod for mod, _, _ in SUBSTITUTIONS}
 
 
-class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _AfterImport(importlib.abc.MetaPathFinder):
     """Registers a handler right after its library module is imported, when that happens after
     torch_xaccel.backend loaded (importing the libraries eagerly would cost seconds)."""
 
