@@ -80,6 +80,22 @@ def tuning_decision(key: str, valid, tune):
     return value
 
 
+def fastest(label: str, cands, bench, best=None, best_ms: float = float("inf")):
+    """The candidate with the lowest bench(cfg) (ms) below best_ms, else `best`; a candidate whose
+    bench raises (does not build, fit or agree) is skipped. A progress bar after two seconds."""
+    progress = Progress(label, len(cands))
+    for n, cfg in enumerate(cands):
+        try:
+            ms = bench(cfg)
+        except Exception:  # noqa: BLE001 - a config that does not build, fit or agree is not a candidate
+            ms = float("inf")
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+        progress.step(n + 1)
+    progress.close()
+    return best
+
+
 _MODULES: dict[tuple[str, bool], object] = {}
 
 

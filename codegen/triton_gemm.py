@@ -172,20 +172,12 @@ def _tune(case: _Case, reference_fn, cands, make_case) -> tuple | None:
     than it saves on the GPU stays on ATen."""
     import triton.testing
 
-    progress = cache.Progress(f"{case.kernel_name} M{case.M} N{case.N} K{case.K}", len(cands) + 1)
     outs = case.new_outputs()
-    best, best_ms = None, triton.testing.do_bench(reference_fn, warmup=5, rep=20, return_mode="median")
-    progress.step(1)
-    for i, cfg in enumerate(cands):
-        try:
-            ms = triton.testing.do_bench(lambda: make_case().launch(cfg, outs), warmup=5, rep=20, return_mode="median")
-        except Exception:  # noqa: BLE001 - a config that does not build or fit is simply not a candidate
-            ms = float("inf")
-        if ms < best_ms:
-            best, best_ms = cfg, ms
-        progress.step(i + 2)
-    progress.close()
-    return best
+    aten_ms = triton.testing.do_bench(reference_fn, warmup=5, rep=20, return_mode="median")
+    return cache.fastest(f"{case.kernel_name} M{case.M} N{case.N} K{case.K}", cands,
+                         lambda cfg: triton.testing.do_bench(lambda: make_case().launch(cfg, outs), warmup=5, rep=20,
+                                                             return_mode="median"),
+                         best=None, best_ms=aten_ms)
 
 
 def choose(case: _Case, reference_fn, make_case) -> tuple | None:
