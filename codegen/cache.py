@@ -80,15 +80,20 @@ def tuning_decision(key: str, valid, tune):
     return value
 
 
-def fastest(label: str, cands, bench, best=None, best_ms: float = float("inf")):
+def fastest(label: str, cands, bench, best=None, best_ms: float = float("inf"), timings: list | None = None):
     """The candidate with the lowest bench(cfg) (ms) below best_ms, else `best`; a candidate whose
-    bench raises (does not build, fit or agree) is skipped. A progress bar after two seconds."""
+    bench raises (does not build, fit or agree) is skipped. A progress bar after two seconds.
+    `timings` (a list) receives [cfg, ms or None, why skipped] per candidate, for the tuning entry:
+    the report of what was tried."""
     progress = Progress(label, len(cands))
     for n, cfg in enumerate(cands):
+        why = ""
         try:
             ms = bench(cfg)
-        except Exception:  # noqa: BLE001 - a config that does not build, fit or agree is not a candidate
-            ms = float("inf")
+        except Exception as e:  # noqa: BLE001 - a config that does not build, fit or agree is not a candidate
+            ms, why = float("inf"), f"{type(e).__name__}: {str(e)[:160]}"
+        if timings is not None:
+            timings.append([cfg, round(ms, 5) if ms < float("inf") else None, why])
         if ms < best_ms:
             best, best_ms = cfg, ms
         progress.step(n + 1)

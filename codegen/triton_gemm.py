@@ -166,7 +166,7 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _tune(case: _Case, reference_fn, cands, make_case) -> tuple | None:
+def _tune(case: _Case, reference_fn, cands, make_case, timings: list) -> tuple | None:
     """Time every config and the ATen composition; None means ATen won. Each kernel timing
     includes preparing the call (make_case), so a small GEMM whose launch costs more on the CPU
     than it saves on the GPU stays on ATen."""
@@ -174,10 +174,11 @@ def _tune(case: _Case, reference_fn, cands, make_case) -> tuple | None:
 
     outs = case.new_outputs()
     aten_ms = triton.testing.do_bench(reference_fn, warmup=5, rep=20, return_mode="median")
+    timings.append(["aten", round(aten_ms, 5), ""])
     return cache.fastest(f"{case.kernel_name} M{case.M} N{case.N} K{case.K}", cands,
                          lambda cfg: triton.testing.do_bench(lambda: make_case().launch(cfg, outs), warmup=5, rep=20,
                                                              return_mode="median"),
-                         best=None, best_ms=aten_ms)
+                         best=None, best_ms=aten_ms, timings=timings)
 
 
 def choose(case: _Case, reference_fn, make_case) -> tuple | None:
@@ -188,8 +189,9 @@ def choose(case: _Case, reference_fn, make_case) -> tuple | None:
     valid_cfg = lambda v: v is None or (isinstance(v, list) and tuple(v) in cands)  # noqa: E731 - unknown config: retune
 
     def tune():
-        best = _tune(case, reference_fn, cands, make_case)
-        return {"config": list(best) if best else None}
+        timings = []
+        best = _tune(case, reference_fn, cands, make_case, timings)
+        return {"config": list(best) if best else None, "timings": timings}
     entry = cache.tuning_decision(key, lambda e: isinstance(e, dict) and valid_cfg(e.get("config", "bad")), tune)
     return tuple(entry["config"]) if entry["config"] else None
 

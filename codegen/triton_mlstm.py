@@ -106,12 +106,15 @@ def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch) -> dict:
     if torch.cuda.is_current_stream_capturing() and not valid(cache.read_entry("tuning", key)):
         return default  # no timing inside a CUDA-graph capture; tune on a later, uncaptured call
     label = f"mlstm {phase} S{S} DQK{DK} DV{DV}"
-    entry = cache.tuning_decision(key, valid, lambda: {"config": _fastest(label, default, cands, launch)})
+    def tune():
+        timings = []
+        return {"config": _fastest(label, default, cands, launch, timings), "timings": timings}
+    entry = cache.tuning_decision(key, valid, tune)
     _CHOSEN[key] = entry["config"]
     return _CHOSEN[key]
 
 
-def _fastest(label: str, default: dict, cands: list[dict], launch) -> dict:
+def _fastest(label: str, default: dict, cands: list[dict], launch, timings: list) -> dict:
     """The fastest candidate; a config must first reproduce the default's first output (within
     1e-2) before its speed counts."""
     import triton.testing
@@ -123,7 +126,7 @@ def _fastest(label: str, default: dict, cands: list[dict], launch) -> dict:
         if not ((got - want).norm() <= 1e-2 * want.norm()):
             raise ValueError("result differs from the default config's")
         return triton.testing.do_bench(lambda: launch(cfg), warmup=3, rep=15, return_mode="median")
-    return cache.fastest(label, cands, bench, best=default)
+    return cache.fastest(label, cands, bench, best=default, timings=timings)
 
 
 def _supported(q, k, v, S) -> bool:

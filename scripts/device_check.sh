@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install (no network there), the whole test suite (CPU + gpu-marked), the demo on
 # CUDA, then the benchmark suite given as arguments (e.g. `gemm --no-max-autotune`). Logs go to $OUT.
-# Env: SKIP_TESTS=1, PYTEST_ARGS="-m gpu", XACCEL_COMMIT=<hash> (the device copy has no .git).
+# Env: SKIP_TESTS=1, BENCH_FIRST=1, TEST_TIMEOUT=s, BENCH_TIMEOUT=s, PYTEST_ARGS="-m gpu", XACCEL_COMMIT=<hash> (the device copy has no .git).
 # Anchor wheels: `python3 -m pip download --no-deps -d .whl xlstm==2.0.6 mlstm-kernels==2.0.6 flashrnn==1.0.8`
 # here, then name .whl in the device call's carry.
 set -uo pipefail
@@ -13,11 +13,16 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >> "$OUT/pip.log" 2>&1 && export PYTHONPATH=/tmp/site
 fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.log"
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
+run_tests() {
+  [ "${SKIP_TESTS:-0}" = 1 ] && return
   python3 -m torch_xaccel.demo 2>&1 | tee "$OUT/demo.log" | tail -4
   # PYTEST_ARGS narrows the run (e.g. "-m gpu"); default: the whole suite, CPU tests included
-  python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | grep -E "passed|failed|FAILED|Error" | tail -15
-fi
-if [ $# -gt 0 ]; then
-  python3 -m torch_xaccel.bench "$@" --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^  " | tail -30
-fi
+  timeout "${TEST_TIMEOUT:-3600}" python3 -m pytest -q -p no:cacheprovider --durations=20 ${PYTEST_ARGS:-} 2>&1 \
+    | tee "$OUT/pytest.log" | grep -E "passed|failed|FAILED|Error" | tail -15
+}
+run_bench() {
+  [ $# -gt 0 ] || return
+  timeout "${BENCH_TIMEOUT:-3600}" python3 -m torch_xaccel.bench "$@" --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^  " | tail -30
+}
+# BENCH_FIRST=1: timings before tests, so a long test run cannot cut them; *_TIMEOUT bound each part
+if [ "${BENCH_FIRST:-0}" = 1 ]; then run_bench "$@"; run_tests; else run_tests; run_bench "$@"; fi

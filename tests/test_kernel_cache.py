@@ -57,3 +57,27 @@ def test_concurrent_processes_tune_once(tmp_path):
     assert log.read_text().count("tuned") == 1
     assert all(r == results[0] for r in results)
     assert not list((tmp_path / "tuning").glob("*.tmp"))
+
+
+def test_fastest_records_every_candidate_and_skips_failures():
+    def bench(cfg):
+        if cfg == "broken":
+            raise RuntimeError("out of shared memory")
+        return {"a": 2.0, "b": 1.0}[cfg]
+    timings = []
+    assert cache.fastest("t", ["a", "broken", "b"], bench, timings=timings) == "b"
+    assert [t[:2] for t in timings] == [["a", 2.0], ["broken", None], ["b", 1.0]]
+    assert "out of shared memory" in timings[1][2]
+    # nothing beats the incumbent: it stays
+    assert cache.fastest("t", ["a", "b"], bench, best="aten", best_ms=0.5) == "aten"
+
+
+def test_bench_tuning_report_lists_this_runs_decisions():
+    from torch_xaccel.bench import tuning_report
+
+    since = time.time() - 1
+    cache.write_entry("tuning", "mlstm_fwd|bf16|torchX", {"config": {"L": 64}, "timings": [[{"L": 64}, 1.5, ""],
+                                                                                          [{"L": 128}, None, "OOR"]]})
+    report = tuning_report(since)
+    assert "`mlstm_fwd|bf16` -> {'L': 64}" in report and "1.5 ms" in report and "skipped" in report
+    assert tuning_report(time.time() + 10) == ""

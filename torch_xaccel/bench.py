@@ -457,6 +457,7 @@ def main(argv=None) -> int:
     header = (f"{args.suite}: {time.strftime('%Y-%m-%d')}, {gpu}, torch {torch.__version__}, triton {triton.__version__}, "
               f"commit {commit}; bf16, median of triton.testing.do_bench")
     print(header)
+    started = time.time()
     rows = []
     for case in SUITES[args.suite](args.quick):
         if args.only not in case.name:
@@ -472,7 +473,34 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, f"bench_{args.suite}.json"), "w") as fh:
         json.dump(rows, fh, indent=1)
     plot(rows, os.path.join(args.out, f"bench_{args.suite}.png"))
+    tuned = tuning_report(started)
+    if tuned:
+        print("\n" + tuned)
+        with open(os.path.join(args.out, f"tuning_{args.suite}.md"), "w") as fh:
+            fh.write(tuned)
     return 0
+
+
+def tuning_report(since: float) -> str:
+    """Every tuning decision written since `since`: each candidate's time (or why it was
+    skipped), so a benchmark run also says which kernel variant won and by how much."""
+    from codegen import cache
+
+    lines = []
+    for path in sorted((cache.root() / "tuning").glob("*.json"), key=os.path.getmtime):
+        if os.path.getmtime(path) < since:
+            continue
+        try:
+            data = json.loads(path.read_text())
+            key, value = data["key"], data["value"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not isinstance(value, dict):
+            continue
+        lines.append(f"- `{key.split('|torch')[0]}` -> {value.get('config')}")
+        for cfg, ms, why in value.get("timings", []):
+            lines.append(f"  - {ms if ms is not None else 'skipped'} ms  {cfg}  {why}".rstrip())
+    return "tuning decisions of this run:\n" + "\n".join(lines) if lines else ""
 
 
 if __name__ == "__main__":
