@@ -279,6 +279,8 @@ def run_model_case(case: Case) -> list:
                                         sequence_kernel="native_sequence__native", step_kernel="native"),
     }
     for name, kernels in configs.items():
+        if PATHS not in name:
+            continue
         for mode in ("inference", "train"):
             torch._dynamo.reset()
             try:
@@ -334,6 +336,8 @@ def run_model_case(case: Case) -> list:
         r["vs_cublas"], r["vs_xaccel"] = r["ms"] / base, r["ms"] / base
     return rows
 
+
+PATHS = ""  # --paths: the model suite runs only the configurations whose name contains it
 
 SUITES = {
     "gemm": lambda quick: ([gelu_residual(4096 if quick else 16384), gelu_residual(128), swiglu(4096 if quick else 16384),
@@ -441,7 +445,10 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="smaller shapes")
     p.add_argument("--no-max-autotune", action="store_true")
     p.add_argument("--only", default="", help="run only the cases whose name contains this text")
+    p.add_argument("--paths", default="", help="model suite: only the configurations whose name contains this text")
     args = p.parse_args(argv)
+    global PATHS
+    PATHS = args.paths
     smoke = not torch.cuda.is_available()
     if smoke and not (args.suite == "model" and args.quick):
         print("benchmarks need a CUDA GPU (without one, only `model --quick` runs, as a smoke test of the code path)")
