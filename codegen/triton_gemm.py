@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from torch_xaccel.config import tuning_enabled
 from torch_xaccel.epilogue_ir import parse
 
 from . import cache
@@ -187,6 +188,12 @@ def choose(case: _Case, reference_fn, make_case) -> tuple | None:
     cands = [c for c in candidates(case.M, case.ep.num_accs, case.dtype) if case.usable(c)]
     key = case.tuning_key()
     valid_cfg = lambda v: v is None or (isinstance(v, list) and tuple(v) in cands)  # noqa: E731 - unknown config: retune
+
+    if not tuning_enabled():  # XACCEL_TUNE=0: a stored decision, else the shape class's first config, untimed
+        stored = cache.read_entry("tuning", key)
+        if isinstance(stored, dict) and valid_cfg(stored.get("config", "bad")):
+            return tuple(stored["config"]) if stored["config"] else None
+        return cands[0] if cands else None
 
     def tune():
         timings = []

@@ -13,6 +13,8 @@ import hashlib
 
 import torch
 
+from torch_xaccel.config import tuning_enabled
+
 from . import cache
 from .render import _ENV, template_digest
 
@@ -98,8 +100,8 @@ def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch) -> dict:
     if key in _CHOSEN:
         return _CHOSEN[key]
     valid = lambda e: isinstance(e, dict) and e.get("config") in cands  # noqa: E731 - unknown config: retune
-    if torch.cuda.is_current_stream_capturing() and not valid(cache.read_entry("tuning", key)):
-        return default  # no timing inside a CUDA-graph capture; tune on a later, uncaptured call
+    if (torch.cuda.is_current_stream_capturing() or not tuning_enabled()) and not valid(cache.read_entry("tuning", key)):
+        return default  # no timing inside a CUDA-graph capture (tune on a later call) or with XACCEL_TUNE=0
     label = f"mlstm {phase} S{S} DQK{DK} DV{DV}"
     def tune():
         timings = []

@@ -61,6 +61,14 @@ def test_log_prints_report(xaccel_env, capsys):
     assert "gemm_epilogue=1" in capsys.readouterr().out
 
 
+def test_tuning_is_on_unless_switched_off(xaccel_env):
+    assert config.tuning_enabled()
+    xaccel_env(XACCEL_TUNE="0")
+    assert not config.tuning_enabled()
+    xaccel_env(XACCEL_TUNE="on")
+    assert config.tuning_enabled()
+
+
 def test_cache_dir(xaccel_env, tmp_path):
     xaccel_env(XACCEL_CACHE_DIR=str(tmp_path / "c"))
     assert config.load().cache_dir == tmp_path / "c"
@@ -69,6 +77,7 @@ def test_cache_dir(xaccel_env, tmp_path):
 @pytest.mark.parametrize("name,value,allowed", [
     ("XACCEL_DISABLE", "maybe", "0 or 1"),
     ("XACCEL_LOG", "loud", "0 or 1"),
+    ("XACCEL_TUNE", "fast", "0 or 1"),
     ("XACCEL_PATTERNS", "gemm_epilogue,attention", "gemm_epilogue"),
     ("XACCEL_FALLBACK", "tvm", "eager, inductor"),
 ])

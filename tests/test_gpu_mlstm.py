@@ -61,6 +61,20 @@ def test_tuning_persists_a_decision_and_ignores_a_corrupt_entry(monkeypatch, tmp
     assert rel_err(h, mlstm.reference(*(t.double() for t in x))[0]) <= 1e-2
 
 
+def test_tune_off_times_nothing_and_stores_nothing(monkeypatch, tmp_path):
+    from torch_xaccel.codegen import triton_mlstm
+
+    monkeypatch.setattr(triton_mlstm, "TUNE", True)
+    monkeypatch.setenv("XACCEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("XACCEL_TUNE", "0")
+    monkeypatch.setattr(triton_mlstm, "_CHOSEN", {})
+    x = [torch.randn(1, 2, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    x += [torch.randn(1, 2, 300, device="cuda"), torch.randn(1, 2, 300, device="cuda") + 3]
+    h = triton_mlstm.forward(None, *x, None, None, None, 1e-6, 64)[0]
+    assert not list((tmp_path / "tuning").glob("*.json"))
+    assert rel_err(h, mlstm.reference(*(t.double() for t in x))[0]) <= 1e-2
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,H,S,DK,DV", [(2, 4, 1000, 128, 128), (1, 2, 333, 256, 512), (2, 2, 257, 64, 128)])
 @pytest.mark.parametrize("with_state", [False, True])

@@ -30,6 +30,12 @@ def _flag(name: str) -> bool:
     raise XaccelConfigError(f"{name}={os.environ[name]!r} is invalid; allowed: 0 or 1 (also true/false, yes/no, on/off)")
 
 
+def tuning_enabled() -> bool:
+    """XACCEL_TUNE (default on): off, kernels take their default configs (or a decision already
+    stored in the cache) and nothing is timed, which shortens a cold compile by the tuning time."""
+    return "XACCEL_TUNE" not in os.environ or _flag("XACCEL_TUNE")
+
+
 def _patterns(known: tuple[str, ...]) -> frozenset[str]:
     raw = os.environ.get("XACCEL_PATTERNS", "").strip()
     if not raw:
@@ -62,5 +68,6 @@ def load() -> Config:
     """Read every XACCEL_* variable; raise one XaccelConfigError naming the first bad one."""
     from .lowering import FAMILIES_WITH_PASSES
 
+    tuning_enabled()  # a bad XACCEL_TUNE fails the compile here, not in the middle of a kernel call
     return Config(disable=_flag("XACCEL_DISABLE"), patterns=_patterns(FAMILIES_WITH_PASSES),
                   fallback=_fallback(), log=_flag("XACCEL_LOG"), cache_dir=_cache_dir())

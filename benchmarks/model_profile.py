@@ -1,0 +1,102 @@
+"""Where the whole-model time goes: xLSTMLarge at 7B widths (B4 x 2048 tokens, bf16, native
+configuration compiled with backend="xaccel"), prefill and one train step under the torch
+profiler, CUDA kernels grouped by kind. Run on the GPU machine:
+
+    XACCEL_TUNE=0 python benchmarks/model_profile.py [--fallback eager|inductor] [--modes prefill,train]
+
+XACCEL_TUNE=0 skips first-call tuning (default configs) so the run spends its time profiling."""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections import defaultdict
+
+import torch
+
+KINDS = (("mlstm", ("mlstm",)), ("xaccel gemm", ("gemm_epilogue",)),
+         ("cuBLAS gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")),
+         ("triton (inductor)", ("triton_",)), ("elementwise / reduce (ATen)", ("elementwise", "reduce", "vectorized")),
+         ("norm", ("norm",)), ("softmax / loss", ("softmax", "nll", "cross")))
+
+
+def kind(name: str) -> str:
+    low = name.lower()
+    return next((k for k, keys in KINDS if any(s in low for s in keys)), "other")
+
+
+def model(mode: str):
+    from xlstm.xlstm_large.model import xLSTMLarge, xLSTMLargeConfig
+
+    cfg = xLSTMLargeConfig(vocab_size=50304, chunk_size=64, mode=mode, return_last_states=mode == "train",
+                           embedding_dim=4096, num_heads=8, num_blocks=4, chunkwise_kernel="chunkwise--native_autograd",
+                           sequence_kernel="native_sequence__native", step_kernel="native")
+    torch.manual_seed(0)
+    return xLSTMLarge(cfg).to("cuda", torch.bfloat16)
+
+
+def profile(mode: str, top: int) -> None:
+    import torch._dynamo
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    torch._dynamo.reset()
+    m = model("inference" if mode == "prefill" else "train")
+    fn = torch.compile(m, backend="xaccel")
+    tokens = torch.randint(0, 50304, (4, 2048), device="cuda")
+
+    def run():
+        if mode == "prefill":
+            with torch.inference_mode():
+                return fn(tokens)
+        m.zero_grad(set_to_none=True)
+        logits = fn(tokens)[0]
+        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+    t0 = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    for _ in range(2):
+        run()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        run()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / 5 * 1e3
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+    events = [e for e in p.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events) / 3 / 1e3
+    by_kind = defaultdict(float)
+    for e in events:
+        by_kind[kind(e.key)] += e.device_time_total / 3 / 1e3
+    print(f"\n{mode}: first call {first:.1f} s, {wall:.2f} ms per step (wall), GPU kernel time {total:.2f} ms "
+          f"(XACCEL_FALLBACK={os.environ.get('XACCEL_FALLBACK', 'eager')})", flush=True)
+    for k, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:30s} {ms:8.2f} ms", flush=True)
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:top]:
+        print(f"    {e.device_time_total / 3 / 1e3:7.3f} ms  x{e.count // 3:<4d} {e.key[:100]}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fallback", default=None, help="XACCEL_FALLBACK for this run")
+    ap.add_argument("--modes", default="prefill,train")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    if args.fallback:
+        os.environ["XACCEL_FALLBACK"] = args.fallback
+    import torch_xaccel  # noqa: F401 - registers the backend and the library substitutions
+
+    torch._dynamo.config.cache_size_limit = 64
+    for mode in args.modes.split(","):
+        try:
+            profile(mode, args.top)
+        except Exception as e:  # noqa: BLE001 - report and go on to the next mode
+            print(f"{mode}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
