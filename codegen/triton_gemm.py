@@ -209,22 +209,23 @@ _DECISIONS: dict = {}
 def provider(key, a, bs, operands, epilogue, b_transposed):
     if a.dtype not in DTYPES or any(b.dim() != 2 for b in bs) or a.numel() == 0 or bs[0].numel() == 0:
         return NotImplemented
-    from torch_xaccel.ops.gemm_epilogue import reference
+    from torch_xaccel.ops.gemm_epilogue import aten_composition
 
     cfg = _DECISIONS.get(key, "unset")
     if cfg is None:
-        return NotImplemented  # ATen measured faster for this shape class
+        return aten_composition(a, bs, operands, epilogue, b_transposed)  # ATen measured faster here
     if cfg == "unset" and a.is_cuda and torch.cuda.is_current_stream_capturing():
-        return NotImplemented  # no timing inside a CUDA-graph capture: ATen now, tune on an uncaptured call
+        # no timing inside a CUDA-graph capture: ATen now, tune on an uncaptured call
+        return aten_composition(a, bs, operands, epilogue, b_transposed)
     case = _Case(a, bs, operands, epilogue, b_transposed)
     if cfg == "unset":
-        cfg = choose(case, lambda: reference(a, bs, operands, epilogue, b_transposed),
+        cfg = choose(case, lambda: aten_composition(a, bs, operands, epilogue, b_transposed),
                      lambda: _Case(a, bs, operands, epilogue, b_transposed))
         _DECISIONS[key] = cfg
     if cfg is None or not case.usable(cfg):
         # ATen measured faster for this shape class, or this call's strides/alignment rule out
         # the TMA kernel tuned on an earlier call with the same shapes
-        return NotImplemented
+        return aten_composition(a, bs, operands, epilogue, b_transposed)
     outs = case.new_outputs()
     case.launch(cfg, outs)
     return [o.view(case.out_shape) for o in outs]

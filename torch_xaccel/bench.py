@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -260,9 +261,6 @@ def xlstm_model(B=4, S=2048, quick=False):
 def run_model_case(case: Case) -> list:
     """Rows per configuration: prefill (inference mode) and train step (fwd + bwd + CE loss), with
     first-call (compile) time. 'TFLOP/s' here is k tokens/s."""
-    import torch._dynamo
-    from xlstm.xlstm_large.model import xLSTMLarge, xLSTMLargeConfig
-
     (dims, B, S), rows = case.make(), []
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     tokens = torch.randint(0, 50304, (B, S), device=dev)
@@ -272,72 +270,94 @@ def run_model_case(case: Case) -> list:
         rows.append(dict(case=case.name, path=path, ms=ms, tflops=tokens / ms / 1e3, extra=extra))
         print(f"  {path:52s} {ms:9.3f} ms  {tokens / ms:8.1f} k tok/s  {extra}", flush=True)
 
-    configs = {
-        "xlstm Triton kernels (anchor)": dict(chunkwise_kernel="chunkwise--triton_limit_chunk",
-                                              sequence_kernel="native_sequence__triton", step_kernel="triton"),
-        "native kernels + xaccel": dict(chunkwise_kernel="chunkwise--native_autograd",
-                                        sequence_kernel="native_sequence__native", step_kernel="native"),
+    native = dict(chunkwise_kernel="chunkwise--native_autograd", sequence_kernel="native_sequence__native",
+                  step_kernel="native")
+    configs = {  # name: (the model's kernel settings, XACCEL_* set while it compiles)
+        "xlstm Triton kernels (anchor)": (dict(chunkwise_kernel="chunkwise--triton_limit_chunk",
+                                               sequence_kernel="native_sequence__triton", step_kernel="triton"), {}),
+        "native kernels + xaccel": (native, {"XACCEL_FALLBACK": "eager"}),
+        "native kernels + xaccel, rest by Inductor": (native, {"XACCEL_FALLBACK": "inductor"}),
     }
-    for name, kernels in configs.items():
-        if PATHS not in name:
-            continue
-        for mode in ("inference", "train"):
-            torch._dynamo.reset()
-            try:
-                # xlstm 2.0.6's train mode needs return_last_states=True (else the layer unpacks h)
-                cfg = xLSTMLargeConfig(vocab_size=50304, chunk_size=64, mode=mode, return_last_states=mode == "train",
-                                       **dims, **kernels)
-                torch.manual_seed(0)
-                model = xLSTMLarge(cfg).to(dev, torch.bfloat16)
-                fn = torch.compile(model, backend="xaccel") if "xaccel" in name else model
-                if mode == "inference":
-                    def run():
-                        with torch.inference_mode():
-                            return fn(tokens)
+    for name, (kernels, env) in configs.items():
+        saved_env = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            _model_config_rows(name, kernels, dims, dev, tokens, add)
+        finally:
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
                 else:
-                    def run():
-                        model.zero_grad(set_to_none=True)
-                        logits = fn(tokens)[0]
-                        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
-                t0 = time.perf_counter()
-                run()
-                _sync()
-                first = time.perf_counter() - t0
-                add(f"{name}, {'prefill' if mode == 'inference' else 'train step'}", _bench(run, True),
-                    f"first call {first:.1f}s")
-            except Exception as e:  # noqa: BLE001 - a configuration that fails is a finding
-                print(f"  {name}, {mode}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
-            _empty_cache()
-        for b in (1, 8):  # one-token latency after a 64-token prompt, plain and in a CUDA graph
-            torch._dynamo.reset()
-            try:
-                cfg = xLSTMLargeConfig(vocab_size=50304, chunk_size=64, mode="inference", return_last_states=True,
-                                       **dims, **kernels)
-                torch.manual_seed(0)
-                model = xLSTMLarge(cfg).to(dev, torch.bfloat16)
-                fn = torch.compile(model, backend="xaccel") if "xaccel" in name else model
-                with torch.inference_mode():
-                    _, state = fn(torch.randint(0, 50304, (b, 64), device=dev))
-                    tok = torch.randint(0, 50304, (b, 1), device=dev)
-                    t0 = time.perf_counter()
-                    fn(tok, state)
-                    _sync()
-                    first = time.perf_counter() - t0
-                    add(f"{name}, decode B{b} one token", _bench(lambda: fn(tok, state), False), f"first call {first:.1f}s",
-                        tokens=b)
-                    if dev == "cuda":
-                        add(f"{name}, decode B{b} one token, CUDA graph", _bench(_graphed(lambda: fn(tok, state)), False),
-                            tokens=b)
-            except Exception as e:  # noqa: BLE001
-                print(f"  {name}, decode B{b}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
-            _empty_cache()
+                    os.environ[k] = v
     base = rows[0]["ms"] if rows else 1.0
     for r in rows:
         r["vs_cublas"], r["vs_xaccel"] = r["ms"] / base, r["ms"] / base
     return rows
 
 
-PATHS = ""  # --paths: the model suite runs only the configurations whose name contains it
+def _model_config_rows(name, kernels, dims, dev, tokens, add) -> None:
+    """Prefill, train step and decode rows of one configuration (those whose label matches --paths)."""
+    import torch._dynamo
+    from xlstm.xlstm_large.model import xLSTMLarge, xLSTMLargeConfig
+
+    wanted = lambda label: re.search(PATHS, f"{name}, {label}") is not None  # noqa: E731
+    for mode in ("inference", "train"):
+        if not wanted("prefill" if mode == "inference" else "train step"):
+            continue
+        torch._dynamo.reset()
+        try:
+            # xlstm 2.0.6's train mode needs return_last_states=True (else the layer unpacks h)
+            cfg = xLSTMLargeConfig(vocab_size=50304, chunk_size=64, mode=mode, return_last_states=mode == "train",
+                                   **dims, **kernels)
+            torch.manual_seed(0)
+            model = xLSTMLarge(cfg).to(dev, torch.bfloat16)
+            fn = torch.compile(model, backend="xaccel") if "xaccel" in name else model
+            if mode == "inference":
+                def run():
+                    with torch.inference_mode():
+                        return fn(tokens)
+            else:
+                def run():
+                    model.zero_grad(set_to_none=True)
+                    logits = fn(tokens)[0]
+                    torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+            t0 = time.perf_counter()
+            run()
+            _sync()
+            first = time.perf_counter() - t0
+            add(f"{name}, {'prefill' if mode == 'inference' else 'train step'}", _bench(run, True),
+                f"first call {first:.1f}s")
+        except Exception as e:  # noqa: BLE001 - a configuration that fails is a finding
+            print(f"  {name}, {mode}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+        _empty_cache()
+    for b in (1, 8):  # one-token latency after a 64-token prompt, plain and in a CUDA graph
+        if not wanted(f"decode B{b}"):
+            continue
+        torch._dynamo.reset()
+        try:
+            cfg = xLSTMLargeConfig(vocab_size=50304, chunk_size=64, mode="inference", return_last_states=True,
+                                   **dims, **kernels)
+            torch.manual_seed(0)
+            model = xLSTMLarge(cfg).to(dev, torch.bfloat16)
+            fn = torch.compile(model, backend="xaccel") if "xaccel" in name else model
+            with torch.inference_mode():
+                _, state = fn(torch.randint(0, 50304, (b, 64), device=dev))
+                tok = torch.randint(0, 50304, (b, 1), device=dev)
+                t0 = time.perf_counter()
+                fn(tok, state)
+                _sync()
+                first = time.perf_counter() - t0
+                add(f"{name}, decode B{b} one token", _bench(lambda: fn(tok, state), False), f"first call {first:.1f}s",
+                    tokens=b)
+                if dev == "cuda":
+                    add(f"{name}, decode B{b} one token, CUDA graph", _bench(_graphed(lambda: fn(tok, state)), False),
+                        tokens=b)
+        except Exception as e:  # noqa: BLE001
+            print(f"  {name}, decode B{b}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+        _empty_cache()
+
+
+PATHS = ""  # --paths: a regular expression; the model suite runs only the rows whose label it finds
 
 SUITES = {
     "gemm": lambda quick: ([gelu_residual(4096 if quick else 16384), gelu_residual(128), swiglu(4096 if quick else 16384),
@@ -445,7 +465,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="smaller shapes")
     p.add_argument("--no-max-autotune", action="store_true")
     p.add_argument("--only", default="", help="run only the cases whose name contains this text")
-    p.add_argument("--paths", default="", help="model suite: only the configurations whose name contains this text")
+    p.add_argument("--paths", default="", help="model suite: only the rows whose label ('<configuration>, <prefill|train step|decode B1|decode B8>') "
+                   "this regular expression finds")
     args = p.parse_args(argv)
     global PATHS
     PATHS = args.paths

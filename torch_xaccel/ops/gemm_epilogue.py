@@ -33,6 +33,22 @@ def reference(a: Tensor, bs: list[Tensor], operands: list[Tensor], epilogue: str
     return [o.clone() if id(o) in inputs else o for o in outs]  # custom ops must not alias inputs
 
 
+def aten_composition(a: Tensor, bs: list[Tensor], operands: list[Tensor], epilogue: str,
+                     b_transposed: bool) -> list[Tensor]:
+    """cuBLAS GEMMs and the chain node by node in the input dtype, as the user's eager code ran it:
+    what the runtime runs where it measured ATen faster than the kernel (the fp32-chain reference
+    costs an extra fp32 pass per node). Equals the reference in fp32; in bf16/fp16 it differs only
+    by intermediate rounding, as eager does."""
+    if a.dtype == torch.float32:
+        return reference(a, bs, operands, epilogue, b_transposed)
+    ep = parse(epilogue)
+    accs = [torch.matmul(a, _b_kn(b, b_transposed)) for b in bs]
+    vals = evaluate(ep, accs, operands, dtype=a.dtype)
+    outs = [vals[o].contiguous() for o in ep.outputs]
+    inputs = {id(t) for t in (a, *bs, *operands)}
+    return [o.clone() if id(o) in inputs else o for o in outs]
+
+
 def case_key(a: Tensor, bs: list[Tensor], operands: list[Tensor], epilogue: str, b_transposed: bool) -> tuple:
     """Names one case for the runtime (a cheap tuple: it is built on every call)."""
     return (a.device.type, a.dtype, b_transposed, a.shape, *(b.shape for b in bs), *(t.shape for t in operands), epilogue)
