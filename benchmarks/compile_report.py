@@ -60,28 +60,21 @@ def mlstm_kernels():
     """Every mLSTM kernel at the default configs for both target head shapes."""
     def types_for(fn):
         return {a: ("*bf16" if a in ("q_ptr", "k_ptr", "v_ptr", "h_ptr", "Cs_ptr", "dCs_ptr", "dh_ptr", "dq_ptr",
-                                     "dk_ptr", "dv_ptr", "K_ptr", "Q_ptr") else "i32" if a in ("S", "NC", "NT", "n_items", "n_programs", "n_iters")
+                                     "dk_ptr", "dv_ptr") else "i32" if a in ("S", "NC", "NT")
                     else "fp32" if a in ("scale", "eps") else "*fp32") for a in fn.arg_names}
 
     for DK, DV in ((128, 128), (256, 512)):
         for phase, cfg in (("fwd", triton_mlstm.forward_config(DK, DV)), ("bwd", triton_mlstm.backward_config(DK, DV))):
-            kernels = [("mlstm_chunk_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), min(cfg["warps"], 4)),
-                       ("mlstm_chunk_kv.py.jinja", dict(BK=min(DK, 128), BV=min(DV, 128)), 8),
-                       ("mlstm_scan.py.jinja", dict(BLOCK=1024), 4)]
-            kernels += ([("mlstm_fwd.py.jinja", dict(BV=cfg["BV"]), cfg["warps"]),
-                         ("mlstm_fwd.py.jinja+persistent", dict(BV=cfg["BV"]), cfg["warps"])] if phase == "fwd" else
+            kernels = [("mlstm_chunk_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), min(cfg["warps"], 4))]
+            kernels += ([("mlstm_fwd.py.jinja", dict(BV=cfg["BV"]), cfg["warps"])] if phase == "fwd" else
                         [("mlstm_bwd_rows.py.jinja", dict(BV=cfg["BV"]), cfg["warps"]),
                          ("mlstm_bwd_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), min(cfg["warps"], 4)),
-                         ("mlstm_bwd_chunk_dq.py.jinja", dict(BK=min(DK, 128), BV=min(DV, 128)), 8),
-                         ("mlstm_bwd_scan.py.jinja", dict(BLOCK=1024), 4),
                          ("mlstm_bwd.py.jinja", dict(BV=cfg["BV"]), cfg["warps"])])
             for template, tiles, warps in kernels:
-                template, _, flag = template.partition("+")
-                extra = dict(has_state=False) if template in ("mlstm_chunk_states.py.jinja", "mlstm_scan.py.jinja") else {}
-                extra.update(dict(persistent=flag == "persistent") if template == "mlstm_fwd.py.jinja" else {})
+                extra = dict(has_state=False) if template == "mlstm_chunk_states.py.jinja" else {}
                 fn = _load(*triton_mlstm._render(template, torch.bfloat16, False, **extra))
-                cons = dict(DK=DK, DV=DV, **({} if "scan" in template else dict(L=cfg["L"])), **tiles)
-                print(f"{template.split('.')[0] + ('+' + flag if flag else ''):20s} DK{DK} DV{DV} {cons} {warps} warps: "
+                cons = dict(DK=DK, DV=DV, L=cfg["L"], **tiles)
+                print(f"{template.split('.')[0]:20s} DK{DK} DV{DV} {cons} {warps} warps: "
                       f"{report(fn, types_for(fn), cons, warps, 2)}", flush=True)
 
 

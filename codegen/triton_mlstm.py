@@ -3,10 +3,11 @@ from templates/mlstm_*.py.jinja per input dtype (and initial state or not, where
 head dims, chunk length and tiles are compile-time constants.
 
 The chunkwise form is split so that only the state scans are sequential: the state entering every
-chunk (mlstm_chunk_states, or the "split" pair mlstm_chunk_kv + mlstm_scan) and then every chunk's
-output in parallel (mlstm_fwd); the backward adds mlstm_bwd_rows (per-row normalizer terms), the
-reverse state-gradient scan (mlstm_bwd_states, or mlstm_bwd_chunk_dq + mlstm_bwd_scan) and
-mlstm_bwd (every chunk's gradients in parallel). Configs are tuned once per shape class (_tuned)."""
+chunk (mlstm_chunk_states) and then every chunk's output in parallel (mlstm_fwd); the backward adds
+mlstm_bwd_rows (per-row normalizer terms), the reverse state-gradient scan (mlstm_bwd_states) and
+mlstm_bwd (every chunk's gradients in parallel). Configs are tuned once per shape class (_tuned).
+A split scan (per-chunk contributions in parallel, then an elementwise scan) and a persistent
+output kernel were tried and lost on the H200 (see docs/benchmarks.md)."""
 from __future__ import annotations
 
 import hashlib
@@ -44,7 +45,7 @@ def _kernel(template: str, dtype: torch.dtype, **extra):
     return _KERNELS[key]
 
 
-INTERPRETER_CONFIG = dict(L=16, BV=16, BK=16, BVS=16, warps=4, stages=1, scan="fused")
+INTERPRETER_CONFIG = dict(L=16, BV=16, BK=16, BVS=16, warps=4, stages=1)
 
 
 def _fit(cfg: dict, DK: int, DV: int) -> dict:
@@ -53,21 +54,18 @@ def _fit(cfg: dict, DK: int, DV: int) -> dict:
 
 def forward_candidates(DK: int, DV: int) -> list[dict]:
     """Configs timed once per shape class: chunk length L, DV tile of the output kernel (BV),
-    state tile of the scan (BK x BVS), warps, pipeline stages, scan variant ("fused" or "split",
-    see chunk_states; SB: the split scan's block). The first is the default: the best on the H200
-    (bf16, Triton 3.6, tuning report of 2026-11-30) at B8 NH16 S8192 128/128 (1.33 ms; the others
-    1.51-1.55, split 1.58-1.85) and at the 7B head shape (1.96 ms; others 2.40-2.44, split 2.40-2.92;
-    persistent does not fit shared memory at L128 and lost at L64). The runners-up stay: they won
-    at small shapes."""
-    base = dict(L=128, BV=128, BK=64, BVS=128, warps=8, stages=2, scan="fused")
+    state tile of the scan (BK x BVS), warps, pipeline stages. The first is the default: the best
+    on the H200 (bf16, Triton 3.6, tuning report of 2026-11-30) at B8 NH16 S8192 128/128 (1.33 ms;
+    the others 1.51-1.55) and at the 7B head shape (1.96 ms; others 2.40-2.44). The runners-up
+    stay: they won at small shapes."""
+    base = dict(L=128, BV=128, BK=64, BVS=128, warps=8, stages=2)
     return [_fit(c, DK, DV) for c in (base, dict(base, BVS=64), dict(base, L=64))]
 
 
 def backward_candidates(DK: int, DV: int) -> list[dict]:
     """Same keys. Chunk 64, DV tile 32, scan tile 64 x 128 won at both head shapes (5.47 ms
-    and 6.53 ms, against 6.2-7.8 and 8.1-10.8 for the other tiles; split scans disagreed with the
-    default beyond 1e-2 at S8192 in bf16 and were dropped)."""
-    base = dict(L=64, BV=32, BK=64, BVS=128, warps=8, stages=2, scan="fused")
+    and 6.53 ms, against 6.2-7.8 and 8.1-10.8 for the other tiles)."""
+    base = dict(L=64, BV=32, BK=64, BVS=128, warps=8, stages=2)
     return [_fit(c, DK, DV) for c in (base, dict(base, warps=4), dict(base, BVS=64, warps=4))]
 
 
@@ -134,10 +132,8 @@ def _supported(q, k, v, S) -> bool:
 
 def chunk_states(k, v, i, f, C0, n0, m0, cfg):
     """Run the sequential scan: (Cs, ns, ms) the state entering each chunk ([B*H*NC*DK*DV] in the
-    input dtype, [.. DK] and [..] fp32) and the final state (C, n, m) in fp32. cfg["scan"]:
-    "fused" walks the chunks with one matmul per step (mlstm_chunk_states); "split" computes every
-    chunk's contribution in parallel first (mlstm_chunk_kv), then walks the chunks elementwise
-    (mlstm_scan)."""
+    input dtype, [.. DK] and [..] fp32) and the final state (C, n, m) in fp32: mlstm_chunk_states
+    walks the chunks with one matmul per step."""
     B, H, S, DK = k.shape
     DV = v.shape[-1]
     L, BK, BVS, stages = cfg["L"], cfg["BK"], cfg["BVS"], cfg["stages"]
@@ -154,16 +150,6 @@ def chunk_states(k, v, i, f, C0, n0, m0, cfg):
         C0, n0, m0 = (t.float().contiguous() for t in (C0, n0, m0))
     else:
         C0, n0, m0 = C, n, m  # unused by the kernel
-    if cfg.get("scan", "fused") == "split":
-        K = torch.empty(B * H * NC * (DK * DV + DK), dtype=k.dtype, device=dev)
-        g, mloc = torch.empty(B * H * NC, dtype=f32, device=dev), torch.empty(B * H * NC, dtype=f32, device=dev)
-        _kernel("mlstm_chunk_kv.py.jinja", k.dtype)[(B * H * NC, DK // BK, DV // BVS)](
-            k, v, i, f, K, g, mloc, S, NC, DK ** -0.5, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=cfg["warps"])
-        block = cfg.get("SB", 1024)
-        _kernel("mlstm_scan.py.jinja", k.dtype, has_state=has_state)[(B * H, -(-(DK * DV + DK) // block))](
-            K, g, mloc, C0, n0, m0, Cs, ns, ms, C, n, m, NC, DK=DK, DV=DV, BLOCK=block, num_warps=4,
-            num_stages=stages)
-        return (Cs, ns, ms), (C, n, m)
     _kernel("mlstm_chunk_states.py.jinja", k.dtype, has_state=has_state)[(B * H, DK // BK, DV // BVS)](
         k, v, i, f, C0, n0, m0, Cs, ns, ms, C, n, m, S, NC, DK ** -0.5,
         DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=min(cfg["warps"], 4), num_stages=stages)
@@ -191,18 +177,8 @@ def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps):
     NC = -(-S // L)
     args = (q, k, v, i, f, h, Cs, ns, ms, S, NC, DK ** -0.5, eps)
     meta = dict(DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=cfg["warps"], num_stages=cfg["stages"])
-    if cfg.get("persistent"):
-        n_items = B * H * NC * (DV // cfg["BV"])
-        n_programs = min(n_items, _num_sms(q.device) * cfg["persistent"])
-        _kernel("mlstm_fwd.py.jinja", q.dtype, persistent=True)[(n_programs,)](
-            *args, n_items=n_items, n_programs=n_programs, n_iters=-(-n_items // n_programs), **meta)
-    else:
-        _kernel("mlstm_fwd.py.jinja", q.dtype, persistent=False)[(B * H, NC, DV // cfg["BV"])](*args, **meta)
+    _kernel("mlstm_fwd.py.jinja", q.dtype)[(B * H, NC, DV // cfg["BV"])](*args, **meta)
     return h, C, n, m
-
-
-def _num_sms(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def step(key, q, k, v, i, f, C, n, m, eps, scale_q=False):
@@ -267,24 +243,11 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h):
         DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     dCs, dns = torch.empty_like(Cs), torch.empty_like(ns)
     dC0, dn0 = torch.empty_like(gC), torch.empty_like(gn)
-    if cfg.get("scan", "fused") == "split":
-        block = cfg.get("SB", 1024)
-        NT = -(-(DK * DV + DK) // block)
-        Q = torch.empty(B * H * NC * (DK * DV + DK), dtype=q.dtype, device=dev)
-        g = torch.empty(B * H * NC, dtype=f32, device=dev)
-        _kernel("mlstm_bwd_chunk_dq.py.jinja", q.dtype)[(B * H * NC, DK // BK, DV // BVS)](
-            q, dh, i, f, N, dden, ms, Q, g, S, NC, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=warps)
-        dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)
-        dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
-        _kernel("mlstm_bwd_scan.py.jinja", q.dtype)[(B * H, NT)](
-            Q, g, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0, NC, NT,
-            DK=DK, DV=DV, BLOCK=block, num_warps=4, num_stages=stages)
-    else:
-        dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)
-        dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
-        _kernel("mlstm_bwd_states.py.jinja", q.dtype)[(B * H, DK // BK, DV // BVS)](
-            q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0, S, NC, NT,
-            DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=min(warps, 4), num_stages=stages)
+    dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)
+    dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
+    _kernel("mlstm_bwd_states.py.jinja", q.dtype)[(B * H, DK // BK, DV // BVS)](
+        q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0, S, NC, NT,
+        DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=min(warps, 4), num_stages=stages)
     dg = dg.sum(-1)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     di, dlogf = torch.empty(B, H, S, device=dev, dtype=f32), torch.empty(B, H, S, device=dev, dtype=f32)

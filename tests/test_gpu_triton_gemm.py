@@ -50,6 +50,20 @@ def test_every_config_single_gemm(dtype, M):
         _check(case, cfg, a, bs, ops, GELU_RES, True)
 
 
+@pytest.mark.parametrize("N", [8, 40])
+def test_every_narrow_n_config(N):
+    """The gate-projection list (N <= 64), ragged M and N."""
+    from torch_xaccel.codegen import triton_gemm
+
+    torch.manual_seed(N)
+    M, K = 1000, 520
+    a, bs = _inputs(M, K, N, torch.bfloat16, 1)
+    ops = [torch.randn(N, device="cuda", dtype=torch.bfloat16), torch.randn(M, N, device="cuda", dtype=torch.bfloat16)]
+    case = triton_gemm._Case(a, bs, ops, GELU_RES, True)
+    for cfg in triton_gemm.candidates(M, 1, torch.bfloat16, N):
+        _check(case, cfg, a, bs, ops, GELU_RES, True)
+
+
 @pytest.mark.parametrize("transposed", [True, False])
 def test_every_config_dual_gemm_bf16(transposed):
     from torch_xaccel.codegen import triton_gemm

@@ -97,7 +97,21 @@ def test_every_listed_config_fits_shared_memory():
     OutOfResources for 128x256x64 with 4 stages): none may be listed."""
     from torch_xaccel.codegen import triton_gemm as tg
 
-    for lst, n in ((tg.LARGE, 1), (tg.SMALL_M, 1), (tg.DUAL, 2)):
+    for lst, n in ((tg.LARGE, 1), (tg.SMALL_M, 1), (tg.DUAL, 2), (tg.NARROW_N, 1)):
         for cfg in lst:
             assert tg.shared_bytes(cfg, n) <= tg.SHARED_LIMIT, cfg
     assert tg.shared_bytes(("tma", 128, 256, 64, 8, 8, 4, 0), 1) > tg.SHARED_LIMIT  # measured: 262176 B
+
+
+def test_candidate_lists_by_shape_class():
+    """Narrow outputs (gate projections) get the short narrow-tile list, whatever M; SwiGLU-style
+    dual GEMMs and fp32 keep theirs."""
+    import torch
+
+    from torch_xaccel.codegen import triton_gemm as tg
+
+    assert tg.candidates(8192, 1, torch.bfloat16, 8) == tg.NARROW_N == tg.candidates(1, 1, torch.float16, 64)
+    assert tg.candidates(8192, 1, torch.bfloat16, 65) == tg.LARGE == tg.candidates(8192, 1, torch.bfloat16)
+    assert tg.candidates(128, 1, torch.bfloat16, 4096) == tg.SMALL_M
+    assert tg.candidates(8192, 2, torch.bfloat16, 8) == tg.DUAL
+    assert tg.candidates(8192, 1, torch.float32, 8) == tg.FP32
