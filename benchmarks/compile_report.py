@@ -56,14 +56,14 @@ def gemm_kernels():
         print(f"gemm_epilogue {variant:4s} 128x256x64 8 warps 3 stages: {report(fn, types, cons, 8, 3)}")
 
 
-def mlstm_kernels():
-    """Every mLSTM kernel at the default configs for both target head shapes."""
+def mlstm_kernels(shapes=((128, 128), (256, 512))):
+    """Every mLSTM kernel at the default configs for the given (DK, DV) head shapes."""
     def types_for(fn):
         return {a: ("*bf16" if a in ("q_ptr", "k_ptr", "v_ptr", "h_ptr", "Cs_ptr", "dCs_ptr", "dh_ptr", "dq_ptr",
                                      "dk_ptr", "dv_ptr") else "i32" if a in ("S", "NC", "NT")
                     else "fp32" if a in ("scale", "eps") else "*fp32") for a in fn.arg_names}
 
-    for DK, DV in ((128, 128), (256, 512)):
+    for DK, DV in shapes:
         for phase, cfg in (("fwd", triton_mlstm.forward_config(DK, DV)), ("bwd", triton_mlstm.backward_config(DK, DV))):
             kernels = [("mlstm_chunk_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), min(cfg["warps"], 4))]
             kernels += ([("mlstm_fwd.py.jinja", dict(BV=cfg["BV"]), cfg["warps"])] if phase == "fwd" else
@@ -79,6 +79,13 @@ def mlstm_kernels():
 
 
 if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mlstm-shapes", default="128x128,256x512", help="DKxDV head shapes, comma-separated")
+    ap.add_argument("--no-gemm", action="store_true")
+    args = ap.parse_args()
     print(f"triton {triton.__version__}, target sm_90 (ptxas {os.path.basename(PTXAS)})")
-    gemm_kernels()
-    mlstm_kernels()
+    if not args.no_gemm:
+        gemm_kernels()
+    mlstm_kernels([tuple(int(x) for x in s.split("x")) for s in args.mlstm_shapes.split(",")])

@@ -18,10 +18,11 @@ def _default_configs(monkeypatch):
     monkeypatch.setattr(triton_mlstm, "TUNE", False)
 
 
-@pytest.mark.parametrize("DK,DV", [(128, 128), (256, 512)])
+@pytest.mark.parametrize("DK,DV", [(128, 128), (256, 512), (512, 512), (512, 64)])
 def test_every_tuning_candidate_matches_reference(DK, DV):
-    """Whatever config tuning picks must be right: each forward and backward candidate (both scan
-    variants) against the fp64 reference / analytic backward, bf16, odd S, with a state."""
+    """Whatever config tuning picks must be right: each forward and backward candidate against
+    the fp64 reference / analytic backward, bf16, odd S, with a state (DQK 512: its own, smaller
+    configs)."""
     from torch_xaccel.codegen import triton_mlstm
     from torch_xaccel.ops.mlstm_backward import backward as analytic
 
@@ -76,7 +77,8 @@ def test_tune_off_times_nothing_and_stores_nothing(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("B,H,S,DK,DV", [(2, 4, 1000, 128, 128), (1, 2, 333, 256, 512), (2, 2, 257, 64, 128)])
+@pytest.mark.parametrize("B,H,S,DK,DV", [(2, 4, 1000, 128, 128), (1, 2, 333, 256, 512), (2, 2, 257, 64, 128),
+                                         (1, 2, 150, 512, 128)])
 @pytest.mark.parametrize("with_state", [False, True])
 def test_forward_kernel_matches_reference(dtype, B, H, S, DK, DV, with_state):
     from torch_xaccel.codegen import triton_mlstm
@@ -113,7 +115,7 @@ def test_op_forward_and_gradients_through_kernels(dtype):
         assert rel_err(got.grad, ref.grad) <= 5e-2
 
 
-@pytest.mark.parametrize("DK,DV", [(128, 128), (256, 512)])
+@pytest.mark.parametrize("DK,DV", [(128, 128), (256, 512), (512, 512)])
 def test_step_kernel_matches_reference_and_captures_in_a_cuda_graph(DK, DV):
     from torch_xaccel.ops import mlstm_step
 
@@ -138,7 +140,8 @@ def test_step_kernel_matches_reference_and_captures_in_a_cuda_graph(DK, DV):
 
 
 @pytest.mark.parametrize("B,H,S,DK,DV,with_state", [(1, 4, 300, 128, 128, False), (1, 2, 257, 64, 128, True),
-                                                    (1, 2, 333, 256, 512, False), (2, 1, 200, 256, 64, True)])
+                                                    (1, 2, 333, 256, 512, False), (2, 1, 200, 256, 64, True),
+                                                    (1, 2, 150, 512, 512, True)])
 def test_backward_kernel_matches_analytic_backward(B, H, S, DK, DV, with_state):
     from torch_xaccel.codegen import triton_mlstm
     from torch_xaccel.ops.mlstm_backward import backward as analytic

@@ -81,3 +81,37 @@ def test_bench_tuning_report_lists_this_runs_decisions():
     report = tuning_report(since)
     assert "`mlstm_fwd|bf16` -> {'L': 64}" in report and "1.5 ms" in report and "skipped" in report
     assert tuning_report(time.time() + 10) == ""
+
+
+def test_mlstm_tuning_survives_a_default_config_that_does_not_fit(monkeypatch):
+    """The default config may not build or fit on another Triton/GPU: the first config that runs
+    becomes the reference, one that disagrees with it is skipped, the fastest agreeing one wins;
+    when none runs, an error names the phase (the runtime then falls back and reports it)."""
+    import pytest
+    import torch
+    import triton.testing
+
+    from torch_xaccel.codegen import triton_mlstm
+
+    out = torch.randn(64)
+    results = {"A": None, "B": out, "C": out * 1.5, "D": out + 1e-4}
+    times = {"B": 2.0, "C": 0.5, "D": 1.0}
+
+    def launch(cfg):
+        if results[cfg["n"]] is None:
+            raise RuntimeError("out of resource: shared memory")
+        return (results[cfg["n"]],)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: _time_of(fn, times))
+    cands = [{"n": n} for n in "ABCD"]
+    timings = []
+    assert triton_mlstm._fastest("mlstm fwd", cands[0], cands, launch, timings) == {"n": "D"}
+    assert [t[1] for t in timings] == [None, 2.0, None, 1.0]
+    assert "differs" in timings[2][2] and "shared memory" in timings[0][2]
+    with pytest.raises(RuntimeError, match="no candidate config of mlstm fwd runs"):
+        triton_mlstm._fastest("mlstm fwd", cands[0], cands[:1], launch, [])
+
+
+def _time_of(fn, times):
+    """do_bench stand-in: the bench lambda closes over the config being timed."""
+    cfg = next(c.cell_contents for c in fn.__closure__ if isinstance(c.cell_contents, dict))
+    return times[cfg["n"]]

@@ -58,3 +58,46 @@ def test_mlstm_forward_kernel_matches_reference_in_interpreter(tmp_path):
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.count("\n") == 12
+
+
+CANDIDATES_SCRIPT = textwrap.dedent("""
+    import os, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    from torch_xaccel.ops import mlstm
+    from torch_xaccel.ops.mlstm_backward import backward as analytic
+    from torch_xaccel.codegen import triton_mlstm
+    torch.manual_seed(1)
+    bad = 0
+    for DK, DV in [(512, 64), (128, 128)]:
+        B, H, S = 1, 1, 70
+        x = [torch.randn(B, H, S, DK), torch.randn(B, H, S, DK), torch.randn(B, H, S, DV), torch.randn(B, H, S),
+             torch.randn(B, H, S) + 2]
+        st = [torch.randn(B, H, DK, DV) * .1, torch.randn(B, H, DK) * .1, torch.randn(B, H)]
+        want = mlstm.reference(*(t.double() for t in x + st))
+        cots = [torch.randn(B, H, S, DV), torch.randn(B, H, DK, DV), torch.randn(B, H, DK), torch.randn(B, H)]
+        want_g = analytic(*(c.double() for c in cots), *(t.double() for t in x + st), chunk_size=64)
+        for cfg in triton_mlstm.forward_candidates(DK, DV):
+            got = triton_mlstm._forward(cfg, *x, *st, 1e-6)
+            errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want)]
+            print("fwd", DK, DV, cfg, " ".join(f"{e:.1e}" for e in errs))
+            bad += any(e > 1e-5 for e in errs)
+        for cfg in triton_mlstm.backward_candidates(DK, DV):
+            got = triton_mlstm._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, want[0].float())
+            errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want_g)]
+            print("bwd", DK, DV, cfg, " ".join(f"{e:.1e}" for e in errs))
+            bad += any(e > 1e-5 for e in errs)
+    raise SystemExit(bad)
+""")
+
+
+def test_every_gpu_tuning_candidate_in_interpreter(tmp_path):
+    """The GPU's own tile configs (chunk 16-128, DQK 512's smaller ones included), whose logic the
+    default interpreter config does not exercise, against the reference in float32; whether they
+    fit the GPU is benchmarks/compile_report.py's and the `-m gpu` tests' business."""
+    env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", CANDIDATES_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    from torch_xaccel.codegen import triton_mlstm
+
+    n = sum(len(triton_mlstm.forward_candidates(*hd)) + len(triton_mlstm.backward_candidates(*hd)) for hd in ((512, 64), (128, 128)))
+    assert proc.stdout.count("\n") == n, proc.stdout
