@@ -34,6 +34,10 @@ FAMILY = "mlstm"
 aten = torch.ops.aten
 CHUNK = 64
 
+DYNAMIC_EPS = ("eps is a dynamic Python float (torch.compile makes float arguments graph inputs under "
+               "dynamic shapes); pass it as a constant (a module attribute, functools.partial) or set "
+               "torch._dynamo.config.specialize_float = True")
+
 
 class NoMatch(Exception):
     """A step of the pattern did not hold; the message says which."""
@@ -217,7 +221,7 @@ def _match(h: torch.fx.Node, seen: list):
     add = take(_expect(den, aten.add.Tensor, what="n + eps"))
     (n, eps) = (add.args[0], add.args[1]) if isinstance(add.args[0], torch.fx.Node) else (add.args[1], add.args[0])
     if not isinstance(eps, numbers.Number):
-        raise NoMatch("eps is not a constant (a Python float made dynamic? mark it constant)")
+        raise NoMatch(DYNAMIC_EPS)
     mx = take(_expect(n, aten.maximum.default, what="maximum(|sum C|, exp(-m))"))
 
     def abs_sum(node):

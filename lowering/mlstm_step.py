@@ -28,7 +28,7 @@ import torch.fx
 from torch_xaccel.report import Fallback, GraphReport, Replacement
 
 from .graph_utils import location, val
-from .mlstm import NoMatch, _example_int, _expect, _is
+from .mlstm import DYNAMIC_EPS, NoMatch, _example_int, _expect, _is
 
 FAMILY = "mlstm_step"
 aten = torch.ops.aten
@@ -83,7 +83,7 @@ def match(h: torch.fx.Node):
     take(add)
     mx, eps = (add.args[0], add.args[1]) if isinstance(add.args[0], torch.fx.Node) else (add.args[1], add.args[0])
     if not isinstance(eps, numbers.Number):
-        raise NoMatch("eps is not a constant")
+        raise NoMatch(DYNAMIC_EPS)
 
     def abs_qn(x):
         a = _expect(x, aten.abs.default, what="|q.n|")

@@ -2,6 +2,8 @@
 symbolic shapes shared with Dynamo's shape environment. Patterns match on this IR only."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
@@ -19,5 +21,24 @@ def to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
     # cannot turn into guards ("symbol_to_source" errors at guard time).
     fakes = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
     args = fakes if len(fakes) == len(example_inputs) and all(f is not None for f in fakes) else example_inputs
-    with fx_traceback.preserve_node_meta():
+    with fx_traceback.preserve_node_meta(), _scalar_outputs(args):
         return make_fx(run, pre_dispatch=True, tracing_mode="symbolic")(*args)
+
+
+@contextlib.contextmanager
+def _scalar_outputs(args):
+    """Dynamo passes an unspecialized Python float (an eps default argument under dynamic=True)
+    as a 0-d tensor and calls .item() on it in the graph; tracing that on fake tensors needs the
+    fake mode to allow scalar outputs (it then yields an unbacked SymFloat)."""
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(args)
+    if mode is None or not hasattr(mode, "allow_scalar_outputs"):
+        yield
+        return
+    before = mode.allow_scalar_outputs
+    mode.allow_scalar_outputs = True
+    try:
+        yield
+    finally:
+        mode.allow_scalar_outputs = before

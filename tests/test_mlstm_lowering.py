@@ -57,6 +57,42 @@ def test_parallel_form_replaced_and_equal(fn, dynamic):
     assert report.counts()["gemm_epilogue"] == 0  # its matmuls belong to the mLSTM
 
 
+def block_with_eps_argument(x, i, f, w, b, eps=1e-6):
+    """An mLSTM whose eps is a float argument: dynamic=True makes it a graph input."""
+    B, S, _ = x.shape
+    q, k, v = (x.view(B, S, 2, 8).transpose(1, 2) * s for s in (1.0, 0.5, 2.0))
+    Fc = torch.cumsum(F.logsigmoid(f), dim=-1)
+    mask = torch.tril(torch.ones(S, S, dtype=torch.bool, device=q.device))
+    logD = (Fc[..., :, None] - Fc[..., None, :] + i[..., None, :]).masked_fill(~mask, float("-inf"))
+    m = logD.amax(dim=-1, keepdim=True)
+    C = (q @ k.transpose(-2, -1)) / math.sqrt(8) * torch.exp(logD - m)
+    n = torch.maximum(C.sum(-1, keepdim=True).abs(), torch.exp(-m))
+    h = ((C / (n + eps)) @ v).transpose(1, 2).reshape(B, S, 16)
+    return F.gelu(F.linear(h, w, b))
+
+
+@pytest.mark.parametrize("specialize_float", [False, True])
+def test_dynamic_float_eps_keeps_the_backend_working(monkeypatch, specialize_float):
+    """Under dynamic=True a float eps becomes a graph input read with .item(): the backend used to
+    fail as a whole there. Now the rest is still lowered, the mLSTM stays eager with a reason that
+    says what to do, and with specialize_float the mLSTM is replaced too."""
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "specialize_float", specialize_float)
+    torch._dynamo.reset()
+    x = torch.randn(2, 10, 16, requires_grad=True)
+    i, f = torch.randn(2, 2, 10, requires_grad=True), (torch.randn(2, 2, 10) + 2).requires_grad_()
+    w, b = torch.randn(12, 16, requires_grad=True), torch.randn(12, requires_grad=True)
+    report = check_compiled(block_with_eps_argument, [x, i, f, w, b], dynamic=True, tol=2e-5)
+    assert not [fb for fb in report.fallbacks if fb.family == "backend"], str(report)
+    assert report.counts()["gemm_epilogue"] == 1, str(report)
+    if specialize_float:
+        assert report.counts()["mlstm"] == 1, str(report)
+    else:
+        assert report.counts()["mlstm"] == 0
+        assert "specialize_float" in str(report), str(report)
+
+
 def test_mlstm_block_with_projections_around_it():
     torch.manual_seed(0)
     proj = [torch.nn.Linear(16, 16) for _ in range(3)]
