@@ -133,14 +133,21 @@ class _Case:
     def usable(self, cfg) -> bool:
         return cfg[0] == "ptr" or self.tma
 
-    def launch(self, cfg, outs) -> None:
+    def launch(self, cfg, outs, warmup: bool = False) -> None:
+        """Run config `cfg` into `outs`; warmup: only compile it (Triton's warmup run, no launch)."""
         variant, bm, bn, bk, gm, warps, stages, flatten = cfg
         _, kernel = _kernel(self.epilogue, len(self.ops), self.precision, variant, self.b_transposed)
         tiles = triton_cdiv(self.M, bm) * triton_cdiv(self.N, bn)
         meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages)
+
+        def go(grid, *args, **kw):
+            if warmup:
+                kernel.run(*args, grid=grid, warmup=True, **kw)
+            else:
+                kernel[grid](*args, **kw)
         if variant == "ptr":
-            kernel[(tiles,)](self.a2, *self.bs, *self.ops, *outs, self.M, self.N, self.K,
-                             self.a2.stride(0), self.a2.stride(1), *self.b_strides, *self.op_strides, self.N, 1, **meta)
+            go((tiles,), self.a2, *self.bs, *self.ops, *outs, self.M, self.N, self.K,
+               self.a2.stride(0), self.a2.stride(1), *self.b_strides, *self.op_strides, self.N, 1, **meta)
             return
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -148,8 +155,8 @@ class _Case:
         a_desc = TensorDescriptor(self.a2, list(self.a2.shape), list(self.a2.stride()), [bm, bk])
         b_block = [bn, bk] if self.b_transposed else [bk, bn]
         b_descs = [TensorDescriptor(b, list(b.shape), list(b.stride()), b_block) for b in self.bs]
-        kernel[(min(n_sms, tiles),)](a_desc, *b_descs, *self.ops, *outs, self.M, self.N, self.K, *self.op_strides,
-                                     self.N, 1, NUM_SMS=n_sms, FLATTEN=bool(flatten), **meta)
+        go((min(n_sms, tiles),), a_desc, *b_descs, *self.ops, *outs, self.M, self.N, self.K, *self.op_strides,
+           self.N, 1, NUM_SMS=n_sms, FLATTEN=bool(flatten), **meta)
 
     @property
     def kernel_name(self) -> str:
@@ -185,6 +192,7 @@ def _tune(case: _Case, reference_fn, cands, make_case, timings: list) -> tuple |
     ms against 0.056 ms of GPU time at M128 on the H200) and picked a kernel twice as slow on the
     GPU as cuBLAS + the chain."""
     outs = case.new_outputs()
+    cache.precompile(cands, lambda cfg: make_case().launch(cfg, outs, warmup=True))
     aten_ms = _time(reference_fn, case.M <= SMALL_M_ROWS)
     timings.append(["aten", round(aten_ms, 5), ""])
     return cache.fastest(f"{case.kernel_name} M{case.M} N{case.N} K{case.K}", cands,

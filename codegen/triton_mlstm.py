@@ -10,6 +10,7 @@ A split scan (per-chunk contributions in parallel, then an elementwise scan) and
 output kernel were tried and lost on the H200 (see docs/benchmarks.md)."""
 from __future__ import annotations
 
+import contextvars
 import hashlib
 
 import torch
@@ -43,6 +44,27 @@ def _kernel(template: str, dtype: torch.dtype, **extra):
         name, src = _render(template, dtype, cache.interpreting(), **extra)
         _KERNELS[key] = getattr(cache.load_source(name, src), name)
     return _KERNELS[key]
+
+
+_WARMUP = contextvars.ContextVar("xaccel_mlstm_warmup", default=False)
+
+
+def _launch(kernel, grid, *args, **meta):
+    """kernel[grid](*args, **meta), or only its compile while tuning precompiles candidates."""
+    if _WARMUP.get():
+        kernel.run(*args, grid=grid, warmup=True, **meta)
+    else:
+        kernel[grid](*args, **meta)
+
+
+def _warmup(launch, cfg) -> None:
+    """Compile every kernel of one phase for `cfg` without launching any (the torch ops between
+    them still run, on uninitialised buffers)."""
+    token = _WARMUP.set(True)
+    try:
+        launch(cfg)
+    finally:
+        _WARMUP.reset(token)
 
 
 INTERPRETER_CONFIG = dict(L=16, BV=16, BK=16, BVS=16, warps=4, stages=1)
@@ -129,6 +151,7 @@ def _fastest(label: str, default: dict, cands: list[dict], launch, timings: list
     and says why)."""
     import triton.testing
 
+    cache.precompile(cands, lambda cfg: _warmup(launch, cfg))
     want = None
     for cfg in cands:
         try:
@@ -173,7 +196,7 @@ def chunk_states(k, v, i, f, C0, n0, m0, cfg):
         C0, n0, m0 = (t.float().contiguous() for t in (C0, n0, m0))
     else:
         C0, n0, m0 = C, n, m  # unused by the kernel
-    _kernel("mlstm_chunk_states.py.jinja", k.dtype, has_state=has_state)[(B * H, DK // BK, DV // BVS)](
+    _launch(_kernel("mlstm_chunk_states.py.jinja", k.dtype, has_state=has_state), (B * H, DK // BK, DV // BVS),
         k, v, i, f, C0, n0, m0, Cs, ns, ms, C, n, m, S, NC, DK ** -0.5,
         DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=min(cfg["warps"], 4), num_stages=stages)
     return (Cs, ns, ms), (C, n, m)
@@ -200,7 +223,7 @@ def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps):
     NC = -(-S // L)
     args = (q, k, v, i, f, h, Cs, ns, ms, S, NC, DK ** -0.5, eps)
     meta = dict(DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=cfg["warps"], num_stages=cfg["stages"])
-    _kernel("mlstm_fwd.py.jinja", q.dtype)[(B * H, NC, DV // cfg["BV"])](*args, **meta)
+    _launch(_kernel("mlstm_fwd.py.jinja", q.dtype), (B * H, NC, DV // cfg["BV"]), *args, **meta)
     return h, C, n, m
 
 
@@ -261,20 +284,20 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h):
     NC, NT = -(-S // L), (DK // BK) * (DV // BVS)
     (Cs, ns, ms), (CT, nT, mT) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
     N, dden, hdh, dm = (torch.empty(B, H, S, device=dev, dtype=f32) for _ in range(4))
-    _kernel("mlstm_bwd_rows.py.jinja", q.dtype)[(B * H, NC)](
+    _launch(_kernel("mlstm_bwd_rows.py.jinja", q.dtype), (B * H, NC),
         q, k, i, f, h, dh, ns, ms, N, dden, hdh, dm, S, NC, DK ** -0.5, eps,
         DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     dCs, dns = torch.empty_like(Cs), torch.empty_like(ns)
     dC0, dn0 = torch.empty_like(gC), torch.empty_like(gn)
     dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)
     dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
-    _kernel("mlstm_bwd_states.py.jinja", q.dtype)[(B * H, DK // BK, DV // BVS)](
+    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype), (B * H, DK // BK, DV // BVS),
         q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0, S, NC, NT,
         DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=min(warps, 4), num_stages=stages)
     dg = dg.sum(-1)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     di, dlogf = torch.empty(B, H, S, device=dev, dtype=f32), torch.empty(B, H, S, device=dev, dtype=f32)
-    _kernel("mlstm_bwd.py.jinja", q.dtype)[(B * H, NC)](
+    _launch(_kernel("mlstm_bwd.py.jinja", q.dtype), (B * H, NC),
         q, k, v, i, f, dh, Cs, ns, ms, dCs, dns, dg, N, dden, hdh, dq, dk, dv, di, dlogf, S, NC, DK ** -0.5,
         DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     dm[..., -1] += gm + dmT.sum(-1).view(B, H)

@@ -115,3 +115,34 @@ def _time_of(fn, times):
     """do_bench stand-in: the bench lambda closes over the config being timed."""
     cfg = next(c.cell_contents for c in fn.__closure__ if isinstance(c.cell_contents, dict))
     return times[cfg["n"]]
+
+
+def test_precompile_warms_every_candidate_and_never_raises(monkeypatch):
+    """The parallel compile before tuning is best effort: every candidate is handed to the
+    warmup, one that fails does not stop the others, and nothing escapes."""
+    import triton
+
+    entered = []
+
+    class Mode:  # stands in for triton.AsyncCompileMode (a real one needs a GPU driver)
+        def __init__(self, pool, ignore_errors):
+            entered.append(ignore_errors)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(triton, "AsyncCompileMode", Mode, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    warmed = []
+
+    def warmup(cfg):
+        warmed.append(cfg)
+        if cfg == "b":
+            raise RuntimeError("does not compile")
+    cache.precompile(["a", "b", "c"], warmup)
+    assert warmed == ["a", "b", "c"] and entered == [True]
+    cache.precompile(["a"], warmup)  # one candidate: nothing to overlap, no pool
+    assert warmed == ["a", "b", "c"]
