@@ -80,9 +80,6 @@ def tuning_decision(key: str, valid, tune):
     return value
 
 
-COMPILE_THREADS = 8
-
-
 def precompile(cands, warmup) -> None:
     """Compile every candidate at once before they are timed: warmup(cfg) runs Triton's warmup
     (compile, no launch) under triton.AsyncCompileMode with a thread pool. The compiler drops the
@@ -93,7 +90,7 @@ def precompile(cands, warmup) -> None:
     import triton
 
     mode = getattr(triton, "AsyncCompileMode", None)
-    workers = min(len(cands), os.cpu_count() or 1, COMPILE_THREADS)
+    workers = min(len(cands), os.cpu_count() or 1, config.compile_threads())
     if mode is None or workers < 2:
         return
     from concurrent.futures import ThreadPoolExecutor

@@ -78,6 +78,7 @@ def test_cache_dir(xaccel_env, tmp_path):
     ("XACCEL_DISABLE", "maybe", "0 or 1"),
     ("XACCEL_LOG", "loud", "0 or 1"),
     ("XACCEL_TUNE", "fast", "0 or 1"),
+    ("XACCEL_COMPILE_THREADS", "0", "whole number >= 1"),
     ("XACCEL_PATTERNS", "gemm_epilogue,attention", "gemm_epilogue"),
     ("XACCEL_FALLBACK", "tvm", "eager, inductor"),
 ])

@@ -145,4 +145,6 @@ def test_precompile_warms_every_candidate_and_never_raises(monkeypatch):
     cache.precompile(["a", "b", "c"], warmup)
     assert warmed == ["a", "b", "c"] and entered == [True]
     cache.precompile(["a"], warmup)  # one candidate: nothing to overlap, no pool
+    monkeypatch.setenv("XACCEL_COMPILE_THREADS", "1")  # the user's switch: one after another
+    cache.precompile(["a", "c"], warmup)
     assert warmed == ["a", "b", "c"]

@@ -36,6 +36,17 @@ def tuning_enabled() -> bool:
     return "XACCEL_TUNE" not in os.environ or _flag("XACCEL_TUNE")
 
 
+def compile_threads() -> int:
+    """XACCEL_COMPILE_THREADS (default 8): threads that compile tuning candidates concurrently;
+    1 compiles them one after another."""
+    raw = os.environ.get("XACCEL_COMPILE_THREADS", "").strip()
+    if not raw:
+        return 8
+    if not raw.isdigit() or int(raw) < 1:
+        raise XaccelConfigError(f"XACCEL_COMPILE_THREADS={raw!r} is invalid; allowed: a whole number >= 1")
+    return int(raw)
+
+
 def _patterns(known: tuple[str, ...]) -> frozenset[str]:
     raw = os.environ.get("XACCEL_PATTERNS", "").strip()
     if not raw:
@@ -68,6 +79,7 @@ def load() -> Config:
     """Read every XACCEL_* variable; raise one XaccelConfigError naming the first bad one."""
     from .lowering import FAMILIES_WITH_PASSES
 
-    tuning_enabled()  # a bad XACCEL_TUNE fails the compile here, not in the middle of a kernel call
+    tuning_enabled()  # a bad XACCEL_TUNE / XACCEL_COMPILE_THREADS fails the compile here, not in a kernel call
+    compile_threads()
     return Config(disable=_flag("XACCEL_DISABLE"), patterns=_patterns(FAMILIES_WITH_PASSES),
                   fallback=_fallback(), log=_flag("XACCEL_LOG"), cache_dir=_cache_dir())
