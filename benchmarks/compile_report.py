@@ -66,16 +66,18 @@ def mlstm_kernels(shapes=((128, 128), (256, 512))):
     for DK, DV in shapes:
         for phase, cfg in (("fwd", triton_mlstm.forward_config(DK, DV)), ("bwd", triton_mlstm.backward_config(DK, DV))):
             kernels = [("mlstm_chunk_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), min(cfg["warps"], 4))]
-            kernels += ([("mlstm_fwd.py.jinja", dict(BV=cfg["BV"]), cfg["warps"])] if phase == "fwd" else
+            fwd_tiles = dict(BV=cfg["BV"], **({"BKQ": cfg["BKQ"]} if cfg.get("BKQ") else {}))
+            kernels += ([("mlstm_fwd.py.jinja", fwd_tiles, cfg["warps"])] if phase == "fwd" else
                         [("mlstm_bwd_rows.py.jinja", dict(BV=cfg["BV"]), cfg["warps"]),
                          ("mlstm_bwd_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), min(cfg["warps"], 4)),
                          ("mlstm_bwd.py.jinja", dict(BV=cfg["BV"]), cfg["warps"])])
             for template, tiles, warps in kernels:
-                extra = dict(has_state=False) if template == "mlstm_chunk_states.py.jinja" else {}
+                extra = (dict(has_state=False) if template == "mlstm_chunk_states.py.jinja" else
+                         dict(k_loop="BKQ" in tiles) if template == "mlstm_fwd.py.jinja" else {})
                 fn = _load(*triton_mlstm._render(template, torch.bfloat16, False, **extra))
                 cons = dict(DK=DK, DV=DV, L=cfg["L"], **tiles)
                 print(f"{template.split('.')[0]:20s} DK{DK} DV{DV} {cons} {warps} warps: "
-                      f"{report(fn, types_for(fn), cons, warps, 2)}", flush=True)
+                      f"{report(fn, types_for(fn), cons, warps, cfg['stages'])}", flush=True)
 
 
 if __name__ == "__main__":

@@ -71,7 +71,10 @@ INTERPRETER_CONFIG = dict(L=16, BV=16, BK=16, BVS=16, warps=4, stages=1)
 
 
 def _fit(cfg: dict, DK: int, DV: int) -> dict:
-    return dict(cfg, BV=min(DV, cfg["BV"]), BK=min(DK, cfg["BK"]), BVS=min(DV, cfg["BVS"]))
+    out = dict(cfg, BV=min(DV, cfg["BV"]), BK=min(DK, cfg["BK"]), BVS=min(DV, cfg["BVS"]))
+    if "BKQ" in cfg:
+        out["BKQ"] = min(DK, cfg["BKQ"])
+    return out
 
 
 WIDE_DK = 512  # from this DQK on, the [L, DQK] tiles need the smaller configs below
@@ -79,17 +82,20 @@ WIDE_DK = 512  # from this DQK on, the [L, DQK] tiles need the smaller configs b
 
 def forward_candidates(DK: int, DV: int) -> list[dict]:
     """Configs timed once per shape class: chunk length L, DV tile of the output kernel (BV),
-    state tile of the scan (BK x BVS), warps, pipeline stages. The first is the default: the best
-    on the H200 (bf16, Triton 3.6, tuning report of 2026-11-30) at B8 NH16 S8192 128/128 (1.33 ms;
-    the others 1.51-1.55) and at the 7B head shape (1.96 ms; others 2.40-2.44). The runners-up
-    stay: they won at small shapes. DQK 512: the output kernel at L128 x BV128 asks 426 KB of
-    shared memory (benchmarks/compile_report.py, sm_90); L64 x BV64 needs 205 KB, L32 x BV64 103 KB
-    (not yet timed on a GPU)."""
+    state tile of the scan (BK x BVS), warps, pipeline stages, and BKQ: when set, the output
+    kernel walks DK in BKQ-wide slices instead of holding [L, DK] tiles. The first is the
+    default: the best on the H200 (bf16, Triton 3.6, tuning report of 2026-11-30) at B8 NH16
+    S8192 128/128 (1.33 ms; the others 1.51-1.55) and at the 7B head shape (1.96 ms; others
+    2.40-2.44). The BKQ candidates are not yet timed (sm_90 compile report: 33-49 KB of shared
+    memory instead of 131-230 KB, 1-2.4 KB of spills). DQK 512: the whole-tile kernel at L128 x
+    BV128 asks 426 KB, so the sliced one is the default there; L64 x BV64 whole tiles fit (205 KB)."""
     if DK >= WIDE_DK:
-        base = dict(L=64, BV=64, BK=64, BVS=128, warps=8, stages=2)
-        return [_fit(c, DK, DV) for c in (base, dict(base, L=32, warps=4))]
+        base = dict(L=128, BV=128, BK=64, BVS=128, warps=8, stages=2, BKQ=64)
+        return [_fit(c, DK, DV) for c in (base, dict(L=64, BV=64, BK=64, BVS=128, warps=8, stages=2),
+                                          dict(base, L=64, warps=4, stages=3))]
     base = dict(L=128, BV=128, BK=64, BVS=128, warps=8, stages=2)
-    return [_fit(c, DK, DV) for c in (base, dict(base, BVS=64), dict(base, L=64))]
+    return [_fit(c, DK, DV) for c in (base, dict(base, BVS=64), dict(base, L=64), dict(base, BKQ=64, stages=3),
+                                      dict(base, L=64, BKQ=64, warps=4, stages=3))]
 
 
 def backward_candidates(DK: int, DV: int) -> list[dict]:
@@ -223,7 +229,10 @@ def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps):
     NC = -(-S // L)
     args = (q, k, v, i, f, h, Cs, ns, ms, S, NC, DK ** -0.5, eps)
     meta = dict(DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=cfg["warps"], num_stages=cfg["stages"])
-    _launch(_kernel("mlstm_fwd.py.jinja", q.dtype), (B * H, NC, DV // cfg["BV"]), *args, **meta)
+    if cfg.get("BKQ"):  # the output kernel walks DK in slices (see the template)
+        meta["BKQ"] = cfg["BKQ"]
+    _launch(_kernel("mlstm_fwd.py.jinja", q.dtype, k_loop=bool(cfg.get("BKQ"))), (B * H, NC, DV // cfg["BV"]), *args,
+            **meta)
     return h, C, n, m
 
 
