@@ -16,8 +16,8 @@ import torch
 
 KINDS = (("mlstm", ("mlstm",)), ("xaccel gemm", ("gemm_epilogue",)),
          ("cuBLAS gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")),
-         ("triton (inductor)", ("triton_",)), ("elementwise / reduce (ATen)", ("elementwise", "reduce", "vectorized")),
-         ("norm", ("norm",)), ("softmax / loss", ("softmax", "nll", "cross")))
+         ("triton (inductor)", ("triton_",)), ("norm", ("norm",)), ("softmax / loss", ("softmax", "nll", "cross")),
+         ("elementwise / reduce (ATen)", ("elementwise", "reduce", "vectorized")))  # first match wins
 
 
 def kind(name: str) -> str:

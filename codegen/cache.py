@@ -80,6 +80,9 @@ def tuning_decision(key: str, valid, tune):
     return value
 
 
+TUNING_VERSION = 2  # part of every tuning key: bump when candidate lists or timing methods change
+
+
 def precompile(cands, warmup) -> None:
     """Compile every candidate at once before they are timed: warmup(cfg) runs Triton's warmup
     (compile, no launch) under triton.AsyncCompileMode with a thread pool. The compiler drops the
@@ -95,6 +98,8 @@ def precompile(cands, warmup) -> None:
         return
     from concurrent.futures import ThreadPoolExecutor
 
+    active = getattr(getattr(getattr(triton, "runtime", None), "_async_compile", None), "active_mode", None)
+    token = active.set(None) if active is not None else None
     try:
         with ThreadPoolExecutor(workers) as pool, mode(pool, ignore_errors=True):
             for cfg in cands:
@@ -104,6 +109,9 @@ def precompile(cands, warmup) -> None:
                     pass
     except Exception:  # noqa: BLE001 - parallel compilation is an optimisation only
         pass
+    finally:
+        if token is not None:  # Triton 3.6 leaves the mode set if its exit raises: later compiles must not see it
+            active.reset(token)
 
 
 def fastest(label: str, cands, bench, best=None, best_ms: float = float("inf"), timings: list | None = None):

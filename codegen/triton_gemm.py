@@ -50,7 +50,7 @@ def shared_bytes(cfg: tuple, n_gemms: int, itemsize: int = 2) -> int:
     return stages * (bm + n_gemms * bn) * bk * itemsize + bm * bn * itemsize
 
 
-SMALL_M_ROWS = 256  # at most this many rows: the decode-sized configs, timed as CUDA-graph replays
+SMALL_M_ROWS = 256  # at most this many rows: the decode-sized configs, timed as GPU time only (_gpu_ms)
 
 
 def candidates(m: int, n_gemms: int, dtype: torch.dtype, n: int | None = None) -> list[tuple]:
@@ -169,7 +169,8 @@ class _Case:
         gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         ops = ",".join(f"{tuple(t.shape)}" for t in self.ops)
         return (f"gemm_epilogue|{self.kernel_name}|{self.dtype}|M~{m_class}|N{self.N}|K{self.K}|b{self.b_strides}|"
-                f"ops{ops}|{gpu}|torch{torch.__version__}|triton{triton.__version__}|tpl{template_digest()}")
+                f"ops{ops}|{gpu}|torch{torch.__version__}|triton{triton.__version__}|tpl{template_digest()}"
+                f"|tv{cache.TUNING_VERSION}")
 
 
 _SMS: dict = {}
@@ -186,30 +187,58 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def _tune(case: _Case, reference_fn, cands, make_case, timings: list) -> tuple | None:
-    """Time every config and the ATen composition; None means ATen won. Each kernel timing
-    includes preparing the call (make_case). Small-M cases (decode) are timed as CUDA-graph
-    replays: plain timing there measured the Python launch cost of the ATen composition (0.18-0.74
-    ms against 0.056 ms of GPU time at M128 on the H200) and picked a kernel twice as slow on the
-    GPU as cuBLAS + the chain."""
+    """Time every config and the ATen composition; None means ATen won. Large GEMMs: plain
+    do_bench, the per-call preparation (make_case) inside the kernel timing. Small-M cases
+    (decode, M <= SMALL_M_ROWS): GPU time only (_gpu_ms), both sides alike: plain timing there
+    measured the Python launch cost of the ATen composition (0.18-0.74 ms against 0.056 ms of
+    GPU time at M128 on the H200) and picked a kernel twice as slow on the GPU as cuBLAS + the
+    chain. In a CUDA graph (decode's usual home) only GPU time counts."""
+    import triton.testing
+
     outs = case.new_outputs()
     cache.precompile(cands, lambda cfg: make_case().launch(cfg, outs, warmup=True))
-    aten_ms = _time(reference_fn, case.M <= SMALL_M_ROWS)
-    timings.append(["aten", round(aten_ms, 5), ""])
+    if case.M <= SMALL_M_ROWS:
+        time_fn = _gpu_ms
+    else:
+        def time_fn(fn):
+            return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+    aten_ms = time_fn(reference_fn)
+    timings.append(["aten", round(aten_ms, 5), "GPU time" if case.M <= SMALL_M_ROWS else ""])
     return cache.fastest(f"{case.kernel_name} M{case.M} N{case.N} K{case.K}", cands,
-                         lambda cfg: _time(lambda: make_case().launch(cfg, outs), case.M <= SMALL_M_ROWS),
+                         lambda cfg: time_fn(lambda: make_case().launch(cfg, outs)),
                          best=None, best_ms=aten_ms, timings=timings)
 
 
+def _gpu_ms(fn, calls: int = 20, rounds: int = 3) -> float:
+    """GPU milliseconds per call of fn, without its CPU launch cost and without a graph capture
+    (which would disturb other threads and, if it failed, the caching allocator): a GPU sleep
+    longer than the CPU needs to queue `calls` calls is enqueued first, so the events around them
+    time only the GPU's work. The sleep is sized from a first, plain round. Median of `rounds`."""
+    import time
 
-def _time(fn, graphed: bool) -> float:
-    import triton.testing
-
-    if graphed:
-        try:
-            return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
-        except Exception:  # noqa: BLE001 - not capturable: time it plainly
-            torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    queue_ms = (time.perf_counter() - t0) * 1e3  # an upper bound of the CPU's queueing time
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    torch.cuda.synchronize()
+    cycles = int(10_000_000 * 2 * queue_ms / max(start.elapsed_time(end), 1e-3)) + 1_000_000
+    results = []
+    for _ in range(rounds):
+        torch.cuda._sleep(cycles)  # twice the queueing time
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        results.append(start.elapsed_time(end) / calls)
+    return sorted(results)[len(results) // 2]
 
 
 def choose(case: _Case, reference_fn, make_case) -> tuple | None:

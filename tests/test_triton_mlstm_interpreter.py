@@ -69,7 +69,7 @@ CANDIDATES_SCRIPT = textwrap.dedent("""
     torch.manual_seed(1)
     bad = 0
     for DK, DV in [(512, 64), (128, 128)]:
-        B, H, S = 1, 1, 70
+        B, H, S = 1, 1, 260  # three chunks even at chunk 128, the last one partial
         x = [torch.randn(B, H, S, DK), torch.randn(B, H, S, DK), torch.randn(B, H, S, DV), torch.randn(B, H, S),
              torch.randn(B, H, S) + 2]
         st = [torch.randn(B, H, DK, DV) * .1, torch.randn(B, H, DK) * .1, torch.randn(B, H)]

@@ -469,6 +469,10 @@ def main(argv=None) -> int:
                    "this regular expression finds")
     args = p.parse_args(argv)
     global PATHS
+    try:
+        re.compile(args.paths)
+    except re.error as e:
+        p.error(f"--paths {args.paths!r} is not a regular expression: {e}")
     PATHS = args.paths
     smoke = not torch.cuda.is_available()
     if smoke and not (args.suite == "model" and args.quick):
@@ -521,13 +525,11 @@ def tuning_report(since: float) -> str:
         try:
             data = json.loads(path.read_text())
             key, value = data["key"], data["value"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if not isinstance(value, dict):
-            continue
-        lines.append(f"- `{key.split('|torch')[0]}` -> {value.get('config')}")
-        for cfg, ms, why in value.get("timings", []):
-            lines.append(f"  - {ms if ms is not None else 'skipped'} ms  {cfg}  {why}".rstrip())
+            rows = [f"  - {ms if ms is not None else 'skipped'} ms  {cfg}  {why}".rstrip()
+                    for cfg, ms, why in value.get("timings", [])]
+            lines += [f"- `{key.split('|torch')[0]}` -> {value.get('config')}", *rows]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # not a tuning entry this report can read
     return "tuning decisions of this run:\n" + "\n".join(lines) if lines else ""
 
 

@@ -33,7 +33,7 @@ def _flag(name: str) -> bool:
 def tuning_enabled() -> bool:
     """XACCEL_TUNE (default on): off, kernels take their default configs (or a decision already
     stored in the cache) and nothing is timed, which shortens a cold compile by the tuning time."""
-    return "XACCEL_TUNE" not in os.environ or _flag("XACCEL_TUNE")
+    return not os.environ.get("XACCEL_TUNE", "").strip() or _flag("XACCEL_TUNE")
 
 
 def compile_threads() -> int:
@@ -42,7 +42,7 @@ def compile_threads() -> int:
     raw = os.environ.get("XACCEL_COMPILE_THREADS", "").strip()
     if not raw:
         return 8
-    if not raw.isdigit() or int(raw) < 1:
+    if not raw.isdecimal() or not raw.isascii() or int(raw) < 1:
         raise XaccelConfigError(f"XACCEL_COMPILE_THREADS={raw!r} is invalid; allowed: a whole number >= 1")
     return int(raw)
 

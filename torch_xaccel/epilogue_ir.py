@@ -135,23 +135,25 @@ def needed_by_vjp(ep: Epilogue, have: set[int] = frozenset()) -> set[int]:
 
 
 def evaluate(ep: Epilogue, accs: Sequence[torch.Tensor], operands: Sequence[torch.Tensor],
-             dtype: torch.dtype = torch.float32, only: set[int] | None = None,
+             dtype: torch.dtype | None = torch.float32, only: set[int] | None = None,
              preset: dict[int, torch.Tensor] | None = None) -> list:
     """Value of every node (or of the nodes in `only` and `preset`; others are None), computed in
-    `dtype` (fp32 is the op's semantics; tests use float64). `preset` supplies values already
-    known (saved by the forward). Constants stay Python numbers."""
+    `dtype` (fp32 is the op's semantics; tests use float64), or with dtype None in the inputs' own
+    dtypes under torch's promotion rules, as eager runs the chain. `preset` supplies values
+    already known (saved by the forward). Constants stay Python numbers."""
+    cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))  # noqa: E731
     vals: list = []
     preset = preset or {}
     for i, n in enumerate(ep.nodes):
         op = n["op"]
         if i in preset:
-            vals.append(preset[i].to(dtype))
+            vals.append(cast(preset[i]))
         elif only is not None and i not in only:
             vals.append(None)
         elif op == "acc":
-            vals.append(accs[n["index"]].to(dtype))
+            vals.append(cast(accs[n["index"]]))
         elif op == "load":
-            vals.append(operands[n["operand"]].to(dtype))
+            vals.append(cast(operands[n["operand"]]))
         elif op == "const":
             vals.append(n["value"])
         elif op in _UNARY_FN:
