@@ -65,11 +65,11 @@ def mlstm_kernels(shapes=((128, 128), (256, 512))):
 
     for DK, DV in shapes:
         for phase, cfg in (("fwd", triton_mlstm.forward_config(DK, DV)), ("bwd", triton_mlstm.backward_config(DK, DV))):
-            kernels = [("mlstm_chunk_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), min(cfg["warps"], 4))]
+            kernels = [("mlstm_chunk_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), triton_mlstm._scan_warps(cfg))]
             fwd_tiles = dict(BV=cfg["BV"], **({"BKQ": cfg["BKQ"]} if cfg.get("BKQ") else {}))
             kernels += ([("mlstm_fwd.py.jinja", fwd_tiles, cfg["warps"])] if phase == "fwd" else
                         [("mlstm_bwd_rows.py.jinja", dict(BV=cfg["BV"]), cfg["warps"]),
-                         ("mlstm_bwd_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), min(cfg["warps"], 4)),
+                         ("mlstm_bwd_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), triton_mlstm._scan_warps(cfg)),
                          ("mlstm_bwd.py.jinja", dict(BV=cfg["BV"]), cfg["warps"])])
             for template, tiles, warps in kernels:
                 extra = (dict(has_state=False) if template == "mlstm_chunk_states.py.jinja" else

@@ -77,13 +77,21 @@ def _fit(cfg: dict, DK: int, DV: int) -> dict:
     return out
 
 
+def _scan_warps(cfg: dict) -> int:
+    """Warps of the sequential state scans: SW if the config sets it, else at most 4 (the measured
+    defaults). At 4 warps a 64 x 128 fp32 state tile spills 584 B per scan program on sm_90
+    (compile report), at 8 none; the SW=8 candidates are not yet timed."""
+    return cfg.get("SW", min(cfg["warps"], 4))
+
+
 WIDE_DK = 512  # from this DQK on, the [L, DQK] tiles need the smaller configs below
 
 
 def forward_candidates(DK: int, DV: int) -> list[dict]:
     """Configs timed once per shape class: chunk length L, DV tile of the output kernel (BV),
-    state tile of the scan (BK x BVS), warps, pipeline stages, and BKQ: when set, the output
-    kernel walks DK in BKQ-wide slices instead of holding [L, DK] tiles. The first is the
+    state tile of the scan (BK x BVS), warps, pipeline stages, SW (the scans' warps, see
+    _scan_warps) and BKQ: when set, the output kernel walks DK in BKQ-wide slices instead of
+    holding [L, DK] tiles. The first is the
     default: the best on the H200 (bf16, Triton 3.6, tuning report of 2026-11-30) at B8 NH16
     S8192 128/128 (1.33 ms; the others 1.51-1.55) and at the 7B head shape (1.96 ms; others
     2.40-2.44). The BKQ candidates are not yet timed (sm_90 compile report: 33-49 KB of shared
@@ -95,7 +103,7 @@ def forward_candidates(DK: int, DV: int) -> list[dict]:
                                           dict(base, L=64, warps=4, stages=3))]
     base = dict(L=128, BV=128, BK=64, BVS=128, warps=8, stages=2)
     return [_fit(c, DK, DV) for c in (base, dict(base, BVS=64), dict(base, L=64), dict(base, BKQ=64, stages=3),
-                                      dict(base, L=64, BKQ=64, warps=4, stages=3))]
+                                      dict(base, L=64, BKQ=64, warps=4, stages=3), dict(base, SW=8))]
 
 
 def backward_candidates(DK: int, DV: int) -> list[dict]:
@@ -107,7 +115,7 @@ def backward_candidates(DK: int, DV: int) -> list[dict]:
         base = dict(L=32, BV=64, BK=64, BVS=128, warps=8, stages=2)
         return [_fit(c, DK, DV) for c in (base, dict(base, L=16, warps=4), dict(base, L=64, BV=32))]
     base = dict(L=64, BV=32, BK=64, BVS=128, warps=8, stages=2)
-    return [_fit(c, DK, DV) for c in (base, dict(base, warps=4), dict(base, BVS=64, warps=4))]
+    return [_fit(c, DK, DV) for c in (base, dict(base, warps=4), dict(base, BVS=64, warps=4), dict(base, SW=8))]
 
 
 def forward_config(DK: int, DV: int) -> dict:
@@ -207,7 +215,7 @@ def chunk_states(k, v, i, f, C0, n0, m0, cfg):
         C0, n0, m0 = C, n, m  # unused by the kernel
     _launch(_kernel("mlstm_chunk_states.py.jinja", k.dtype, has_state=has_state), (B * H, DK // BK, DV // BVS),
         k, v, i, f, C0, n0, m0, Cs, ns, ms, C, n, m, S, NC, DK ** -0.5,
-        DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=min(cfg["warps"], 4), num_stages=stages)
+        DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=_scan_warps(cfg), num_stages=stages)
     return (Cs, ns, ms), (C, n, m)
 
 
@@ -305,7 +313,7 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h):
     dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
     _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype), (B * H, DK // BK, DV // BVS),
         q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0, S, NC, NT,
-        DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=min(warps, 4), num_stages=stages)
+        DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=_scan_warps(cfg), num_stages=stages)
     dg = dg.sum(-1)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     di, dlogf = torch.empty(B, H, S, device=dev, dtype=f32), torch.empty(B, H, S, device=dev, dtype=f32)
