@@ -93,3 +93,30 @@ def test_explain_reports_a_failing_kernel():
     assert report.counts()["gemm_epilogue"] == 1
     assert any("no kernel today" in e.reason for e in report.runtime_fallbacks)
     assert "no kernel today" in str(report)
+
+
+def test_inference_runs_the_lowered_graph_without_a_second_trace(monkeypatch):
+    """Without autograd the lowered ATen graph runs as it is (aot_autograd would only trace it
+    again); with autograd it goes through aot_autograd, and both match eager."""
+    import torch._dynamo.backends.common as common
+
+    traced = []
+    real = common.aot_autograd
+
+    def counting(**kw):
+        traced.append(1)
+        return real(**kw)
+    monkeypatch.setattr(common, "aot_autograd", counting)
+    x, w = torch.randn(5, 3), torch.randn(4, 3, requires_grad=True)
+    with torch.no_grad(), collect() as graphs:
+        out = torch.compile(fn, backend="xaccel")(x, w)
+    torch.testing.assert_close(out, fn(x, w))
+    assert Report(graphs=graphs).counts()["gemm_epilogue"] == 1 and not traced
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend="xaccel")(x, w)
+    out.sum().backward()
+    got, w.grad = w.grad, None
+    fn(x, w).sum().backward()
+    assert traced
+    torch.testing.assert_close(out, fn(x, w))
+    torch.testing.assert_close(got, w.grad)
