@@ -369,6 +369,10 @@ SUITES = {
 }
 
 
+GPU_TIME_NOTE = ("GPU time of 20 calls queued behind a GPU sleep: no L2 flush, no gaps for per-call CPU cost "
+                 "(do_bench's per-call events include them)")
+
+
 def run_case(case: Case, max_autotune: bool) -> list:
     import torch._dynamo
 
@@ -383,6 +387,11 @@ def run_case(case: Case, max_autotune: bool) -> list:
 
     print(f"\n{case.name}", flush=True)
     add("cuBLAS matmuls alone", _bench(cublas, case.train))
+    back_to_back = not case.train and not case.graphs and torch.cuda.is_available()
+    if back_to_back:  # diagnostic: GPU time alone, to tell kernel time from per-call CPU cost
+        from torch_xaccel.codegen.triton_gemm import _gpu_ms
+
+        add("cuBLAS alone, back to back", _gpu_ms(cublas), GPU_TIME_NOTE)
     add("eager", _bench(step(fn), case.train))
     paths = [("xaccel", dict(backend="xaccel")), ("inductor default", dict())]
     if max_autotune and not case.train:
@@ -415,6 +424,8 @@ def run_case(case: Case, max_autotune: bool) -> list:
                           if k not in before]
                 extra += f", kernels: {'; '.join(picked) or 'cached'}"
             add(path, _bench(step(compiled), case.train), extra)
+            if back_to_back and path == "xaccel":
+                add("xaccel, back to back", _gpu_ms(step(compiled)), GPU_TIME_NOTE)
             if case.graphs and path == "xaccel":
                 add("xaccel, CUDA graph", _bench(graphed(compiled), False))
         except Exception as e:  # noqa: BLE001 - a failing path is a finding, not a crash
