@@ -96,8 +96,9 @@ def test_explain_reports_a_failing_kernel():
 
 
 def test_inference_runs_the_lowered_graph_without_a_second_trace(monkeypatch):
-    """Without autograd the lowered ATen graph runs as it is (aot_autograd would only trace it
-    again); with autograd it goes through aot_autograd, and both match eager."""
+    """With grad mode off the lowered ATen graph runs as it is (aot_autograd would only trace it
+    again); with grad mode on it goes through aot_autograd, even when no input needs grad, and
+    both match eager."""
     import torch._dynamo.backends.common as common
 
     traced = []
@@ -112,6 +113,9 @@ def test_inference_runs_the_lowered_graph_without_a_second_trace(monkeypatch):
         out = torch.compile(fn, backend="xaccel")(x, w)
     torch.testing.assert_close(out, fn(x, w))
     assert Report(graphs=graphs).counts()["gemm_epilogue"] == 1 and not traced
+    torch._dynamo.reset()
+    torch.compile(fn, backend="xaccel")(x, w.detach())  # grad mode on, nothing needs grad
+    assert traced
     torch._dynamo.reset()
     out = torch.compile(fn, backend="xaccel")(x, w)
     out.sum().backward()

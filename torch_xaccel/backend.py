@@ -33,17 +33,17 @@ def _direct_calls(g: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return g
 
 
-def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str, training: bool = True):
-    """Run the lowered graph: through Inductor, or eagerly. Eagerly and not training (grad mode
-    off or no input needs grad; Dynamo recompiles if that changes), the ATen graph runs as it is:
-    no autograd means nothing for aot_autograd to add but a second trace of the whole graph
+def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str):
+    """Run the lowered graph: through Inductor, or eagerly. Eagerly with grad mode off (Dynamo
+    guards on it and recompiles when it changes), the ATen graph runs as it is: without autograd
+    aot_autograd adds nothing but a second trace of the whole graph
     (about 1 s of the 8 s first call of the 7B-width xLSTMLarge prefill on this project's CPU
     machine) and a per-call wrapper."""
     if fallback == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
         return compile_fx(gm, example_inputs)
-    if not training:
+    if not torch.is_grad_enabled():  # (grad mode on: xaccel ops called directly would drop their backward)
         return _direct_calls(gm).forward
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
@@ -72,7 +72,7 @@ def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **_options):
         if not report.replacements:
             # nothing of ours in the graph: hand the original to the fallback untouched
             return gm.forward if cfg.fallback == "eager" else _compile_rest(gm, example_inputs, cfg.fallback)
-        return _compile_rest(lowered, example_inputs, cfg.fallback, training)
+        return _compile_rest(lowered, example_inputs, cfg.fallback)
     except Exception as e:  # noqa: BLE001 - the contract: never fail a compile because of xaccel
         report.replacements.clear()
         report.fallbacks.append(Fallback("backend", f"{type(e).__name__}: {e}; ran the captured graph unmodified"))
