@@ -34,3 +34,31 @@ def test_explain_does_not_change_results_of_later_compiles():
     x = torch.randn(3, 8)
     torch_xaccel.explain(model, x)
     torch.testing.assert_close(torch.compile(model, backend="xaccel")(x), model(x))
+
+
+def _many_pointwise(x, w):
+    y = F.gelu(F.linear(x, w))
+    for _ in range(6):
+        y = torch.sin(y) * 1.1 + 0.1  # sin stops the epilogue: 18 pointwise ops stay outside
+    return y
+
+
+def _few_pointwise(x, w):
+    return torch.tanh(F.linear(x, w)) + 1
+
+
+def test_report_suggests_inductor_for_many_eager_pointwise_ops(xaccel_env):
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with torch.no_grad():
+        torch.compile(_many_pointwise, backend="xaccel")(x, w)
+    text = str(torch_xaccel.last_report(1))
+    assert "18 pointwise ops" in text and "XACCEL_FALLBACK=inductor" in text
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(_few_pointwise, backend="xaccel")(x, w)
+    assert "hint" not in str(torch_xaccel.last_report(1))
+    torch._dynamo.reset()
+    xaccel_env(XACCEL_FALLBACK="inductor")
+    with torch.no_grad():
+        torch.compile(_many_pointwise, backend="xaccel")(x, w)
+    assert "hint" not in str(torch_xaccel.last_report(1))

@@ -23,6 +23,11 @@ from .substitutions import register as _register_substitutions
 _register_substitutions()  # before Dynamo traces anything for this backend
 
 
+def _pointwise_ops(g: torch.fx.GraphModule) -> int:
+    return sum(1 for n in g.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+               and torch.Tag.pointwise in n.target.tags)
+
+
 def _direct_calls(g: torch.fx.GraphModule) -> torch.fx.GraphModule:
     from .ops import DIRECT_CALLS
 
@@ -69,6 +74,7 @@ def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **_options):
         training = torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
         lowered = run_passes(to_aten(gm, example_inputs), cfg.patterns, report, training)
+        report.eager_pointwise = _pointwise_ops(lowered)
         if not report.replacements:
             # nothing of ours in the graph: hand the original to the fallback untouched
             return gm.forward if cfg.fallback == "eager" else _compile_rest(gm, example_inputs, cfg.fallback)
