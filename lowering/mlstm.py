@@ -10,7 +10,8 @@ Matched (ATen pre-dispatch, walking back from the output matmul):
     h = (C / (n + eps)) @ v
 
 with the causal mask written as masked_fill(~tril(ones), -inf), masked_fill(triu(ones, 1), -inf)
-or where(tril(ones), x, -inf); maximum, mul and add in either argument order. Every step is
+or where(tril(ones), x, -inf), or a cached boolean buffer in those roles (value checked at compile
+time and asserted at run time); gates [B, NH, S] or [B, NH, S, 1]; maximum, mul and add in either argument order. Every step is
 checked (ops, dims, the -inf fill, the scale value, eps a constant); each intermediate must have
 no user outside the pattern. The replaced graph computes the same function (the op's semantics
 without an initial state are exactly this form) in fp32, so it agrees with the original within
@@ -92,31 +93,94 @@ def _dims(node, want) -> bool:
     return [d % rank for d in dims] == [w % rank for w in want]
 
 
-def _causal_mask(mask, negate: bool, take):
-    """tril(ones(S, S)) (negate=False) or its complement ~tril / triu(ones, 1) (negate=True)."""
-    if negate:
-        if _is(mask, aten.bitwise_not.default, aten.logical_not.default):
-            take(mask)
-            return _causal_mask(mask.args[0], False, take)
-        if _is(mask, aten.triu.default) and (mask.args[1] if len(mask.args) > 1 else 0) == 1:
-            take(mask)
-            take(_expect(mask.args[0], aten.ones.default, what="ones() under triu"))
-            return
-        raise NoMatch("mask is not the complement of a causal mask")
-    take(_expect(mask, aten.tril.default, what="tril(ones) causal mask"))
-    if (mask.args[1] if len(mask.args) > 1 else 0) != 0:
-        raise NoMatch("tril with a diagonal offset")
-    take(_expect(mask.args[0], aten.ones.default, what="ones() under tril"))
+def _causal_mask(mask, negate: bool, take, checks: list):
+    """tril(ones(S, S)) (negate=False) or its complement ~tril / triu(ones, 1) (negate=True), built
+    in the graph; or a cached boolean [S, S] buffer (a slice of a graph input), whose value the
+    graph cannot show: it is appended to `checks` and verified at run time (_assert_causal)."""
+    try:
+        if negate:
+            if _is(mask, aten.bitwise_not.default, aten.logical_not.default):
+                take(mask)
+                return _causal_mask(mask.args[0], False, take, checks)
+            if _is(mask, aten.triu.default) and (mask.args[1] if len(mask.args) > 1 else 0) == 1:
+                take(mask)
+                take(_expect(mask.args[0], aten.ones.default, what="ones() under triu"))
+                return
+            raise NoMatch("mask is not the complement of a causal mask")
+        take(_expect(mask, aten.tril.default, what="tril(ones) causal mask"))
+        if (mask.args[1] if len(mask.args) > 1 else 0) != 0:
+            raise NoMatch("tril with a diagonal offset")
+        take(_expect(mask.args[0], aten.ones.default, what="ones() under tril"))
+    except NoMatch:
+        if _cached_mask(mask) is None:
+            raise
+        checks.append((mask, negate))
 
 
-def _masked_logd(node, take):
+def _cached_mask(node):
+    """The graph input (a registered buffer, a global) that `node` is a leading [:S, :S] slice
+    of, if `node` is a boolean [S, S] tensor; else None. A leading square slice of a causal
+    matrix is causal, so checking the whole input's value suffices."""
+    t = val(node)
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.bool or t.dim() != 2:
+        return None
+    while _is(node, aten.slice.Tensor, aten.alias.default, aten.detach.default):
+        if _is(node, aten.slice.Tensor) and (node.args[2:3] not in ((), (0,), (None,))
+                                             or node.args[4:5] not in ((), (1,), (None,))):
+            return None  # not a leading slice: start 0, step 1
+        node = node.args[0]
+    return node if isinstance(node, torch.fx.Node) and node.op == "placeholder" else None
+
+
+def _cached_mask_refusal(root: torch.fx.Node, negate: bool, gm: torch.fx.GraphModule) -> str | None:
+    """Why a cached mask cannot be used (None: it can): its value in this compile's real inputs
+    must be tril(ones) (triu(ones, 1) when it marks what to drop); the run-time check then only
+    guards against the buffer being changed afterwards."""
+    inputs = gm.meta.get("xaccel_example_inputs")
+    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if inputs is None or len(inputs) != len(places):
+        return "a cached mask whose value is unknown at compile time"
+    real = inputs[places.index(root)]
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if not isinstance(real, torch.Tensor) or isinstance(real, FakeTensor) or real.dim() != 2 or real.dtype != torch.bool:
+        return "a cached mask whose value is unknown at compile time"
+    ones = torch.ones_like(real)
+    want = ones.triu(1) if negate else ones.tril()
+    if real.shape[0] != real.shape[1] or not torch.equal(real, want):
+        return f"the cached mask {root.name} is not {'triu(ones, 1)' if negate else 'tril(ones)'} (not causal)"
+    return None
+
+
+def _as_sequence(graph: torch.fx.Graph, gate: torch.fx.Node, fake_mode) -> torch.fx.Node:
+    """A [B, NH, S, 1] gate as the op's [B, NH, S] (a view); a [B, NH, S] gate as it is."""
+    if val(gate).dim() == 3:
+        return gate
+    node = graph.call_function(aten.squeeze.dim, (gate, -1))
+    if fake_mode is not None:
+        with fake_mode:
+            node.meta["val"] = val(gate).squeeze(-1)
+    return node
+
+
+def _assert_causal(graph: torch.fx.Graph, mask: torch.fx.Node, negate: bool) -> None:
+    """Insert: the cached mask equals tril(ones) (or triu(ones, 1) when it marks what to drop),
+    else an error at run time, never a silently different result."""
+    ones = graph.call_function(aten.ones_like.default, (mask,))
+    ref = graph.call_function(aten.triu.default, (ones, 1)) if negate else graph.call_function(aten.tril.default, (ones,))
+    same = graph.call_function(aten.all.default, (graph.call_function(aten.eq.Tensor, (mask, ref)),))
+    graph.call_function(aten._assert_async.msg, (same, "xaccel: the cached mask the mLSTM was compiled with is "
+                                                       "no longer causal (lower-triangular)"))
+
+
+def _masked_logd(node, take, checks: list):
     """The unmasked log-decay matrix under a causal -inf mask."""
     node = _skip_full_slices(node, take)
     take(node)
     if _is(node, aten.masked_fill.Scalar):
         if node.args[2] != float("-inf"):
             raise NoMatch("masked_fill value is not -inf")
-        _causal_mask(node.args[1], True, take)
+        _causal_mask(node.args[1], True, take, checks)
         return node.args[0]
     if _is(node, aten.where.ScalarOther, aten.where.self):
         other = node.args[2]
@@ -125,7 +189,7 @@ def _masked_logd(node, take):
             other = other.args[-1]
         if other != float("-inf"):
             raise NoMatch("where fill value is not -inf")
-        _causal_mask(node.args[0], False, take)
+        _causal_mask(node.args[0], False, take, checks)
         return node.args[1]
     raise NoMatch("no causal -inf mask on the log-decay matrix")
 
@@ -188,6 +252,31 @@ def _strip_scale(node, dk_size):
     return node, False
 
 
+def _gate_column(node, take):
+    """A gate as a column [B, NH, S, 1]: x[..., :, None] of a [B, NH, S] gate, or a [B, NH, S, 1]
+    gate as it is. Returns the gate."""
+    t = val(node)
+    if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[-1] == 1 and not _is(node, aten.unsqueeze.default):
+        return node
+    return _unsqueezed(node, -1, take)
+
+
+def _gate_row(node, take):
+    """A gate as a row [B, NH, 1, S]: x[..., None, :] of a [B, NH, S] gate, or the transpose of a
+    [B, NH, S, 1] gate. Returns the gate."""
+    node = _skip_full_slices(node, take)
+    if _is(node, aten.transpose.int, aten.permute.default):
+        try:
+            g = _transposed(node)
+        except NoMatch:
+            g = None
+        t = val(g) if g is not None else None
+        if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[-1] == 1:
+            take(node)
+            return g
+    return _unsqueezed(node, -2, take)
+
+
 def _transposed(node):
     if _is(node, aten.transpose.int) and {d % 4 for d in node.args[1:3]} == {2, 3}:
         return node.args[0]
@@ -197,17 +286,19 @@ def _transposed(node):
 
 
 def match(h: torch.fx.Node):
-    """Walk back from a candidate output matmul; return (inputs dict, eps, pattern nodes).
-    A NoMatch carries `.depth`, how many pattern nodes held before the failing step."""
+    """Walk back from a candidate output matmul; return (inputs dict, eps, pattern nodes, cached
+    masks to check at run time as (node, negated)). A NoMatch carries `.depth`, how many pattern
+    nodes held before the failing step."""
     seen: list[torch.fx.Node] = []
+    checks: list = []
     try:
-        return _match(h, seen)
+        return (*_match(h, seen, checks), checks)
     except NoMatch as e:
         e.depth = len(seen)
         raise
 
 
-def _match(h: torch.fx.Node, seen: list):
+def _match(h: torch.fx.Node, seen: list, checks: list):
 
     def take(n):
         seen.append(n)
@@ -251,14 +342,14 @@ def _match(h: torch.fx.Node, seen: list):
     amax = take(_expect(m, aten.amax.default, what="m = amax(logD, -1, keepdim=True)"))
     if amax.args[0] is not logD or not _dims(amax, [-1]) or not (amax.args[2] if len(amax.args) > 2 else False):
         raise NoMatch("m is not logD.amax(-1, keepdim=True)")
-    raw = _masked_logd(logD, take)
+    raw = _masked_logd(logD, take, checks)
     plus_i = take(_expect(raw, aten.add.Tensor, what="pairwise gate sums + i"))
 
     def pairwise(node):
         d = _expect(node, aten.sub.Tensor, what="Fc[:, None] - Fc[None, :]")
         views: list = []
-        a0 = _unsqueezed(d.args[0], -1, views.append)
-        a1 = _unsqueezed(d.args[1], -2, views.append)
+        a0 = _gate_column(d.args[0], views.append)
+        a1 = _gate_row(d.args[1], views.append)
         if a0 is not a1:
             raise NoMatch("pairwise difference of two different cumsums")
         return d, a0, views
@@ -267,10 +358,11 @@ def _match(h: torch.fx.Node, seen: list):
     take(d)
     for n in views:
         take(n)
-    i = _unsqueezed(igate, -2, take)
+    i = _gate_row(igate, take)
     cs = take(_expect(Fc, aten.cumsum.default, what="cumsum of logsigmoid(f)"))
-    if cs.args[1] % val(cs).dim() != val(cs).dim() - 1:
-        raise NoMatch("cumsum not over the sequence (last) dim")
+    seq_dim = val(cs).dim() - (2 if val(cs).dim() == 4 else 1)  # [B, NH, S] or [B, NH, S, 1] gates
+    if cs.args[1] % val(cs).dim() != seq_dim:
+        raise NoMatch("cumsum not over the sequence dim")
     ls = take(_expect(cs.args[0], aten.log_sigmoid.default, what="logsigmoid(f)"))
     f = ls.args[0]
     # q k^T with exactly one 1/sqrt(DQK): on the product, on q or on k
@@ -305,9 +397,10 @@ def _match(h: torch.fx.Node, seen: list):
     inputs = dict(q=q, k=k, v=v, i=i, f=f)
     for name, node in inputs.items():
         t = val(node)
-        want = 4 if name in "qkv" else 3
-        if not isinstance(t, torch.Tensor) or t.dim() != want or not t.dtype.is_floating_point:
-            raise NoMatch(f"{name} is not a {want}-D float tensor")
+        want = (4,) if name in "qkv" else (3, 4)  # gates [B, NH, S] or [B, NH, S, 1]
+        if (not isinstance(t, torch.Tensor) or t.dim() not in want or not t.dtype.is_floating_point
+                or (name in "if" and t.dim() == 4 and t.shape[-1] != 1)):
+            raise NoMatch(f"{name} is not a {'4-D' if name in 'qkv' else '[B, NH, S] or [B, NH, S, 1]'} float tensor")
     if val(q).dtype != val(k).dtype or val(q).dtype != val(v).dtype:
         raise NoMatch("q, k, v dtypes differ")
     return inputs, float(eps), seen
@@ -330,7 +423,7 @@ def run(gm: torch.fx.GraphModule, report: GraphReport, training: bool) -> None:
         if h in gone:
             continue
         try:
-            inputs, eps, nodes = match(h)
+            inputs, eps, nodes, mask_checks = match(h)
         except NoMatch as e:
             ls = _logsigmoid_upstream(h)
             if ls is not None and e.depth >= misses.get(ls, (-1,))[0]:
@@ -342,22 +435,27 @@ def run(gm: torch.fx.GraphModule, report: GraphReport, training: bool) -> None:
             report.fallbacks.append(Fallback(FAMILY, f"mLSTM intermediates used elsewhere: {', '.join(escaped[:3])}",
                                              location(h)))
             continue
-        args = (inputs["q"], inputs["k"], inputs["v"], inputs["i"], inputs["f"], None, None, None, eps, CHUNK)
+        if val(h).dtype != val(inputs["q"]).dtype:
+            report.fallbacks.append(Fallback(FAMILY, "output dtype differs from q's", location(h)))
+            continue
+        refusals = [r for r in (_cached_mask_refusal(_cached_mask(mk), neg, gm) for mk, neg in mask_checks) if r]
+        if refusals:
+            report.fallbacks.append(Fallback(FAMILY, f"mLSTM with {refusals[0]}: left as written", location(h)))
+            continue
+        fake_mode = getattr(val(inputs["q"]), "fake_mode", None)
         with graph.inserting_before(h):
+            for mask, negate in mask_checks:
+                _assert_causal(graph, mask, negate)
+            gates = [_as_sequence(graph, inputs[g], fake_mode) for g in "if"]
+            args = (inputs["q"], inputs["k"], inputs["v"], *gates, None, None, None, eps, CHUNK)
             fused = graph.call_function(torch.ops.xaccel.mlstm.default, args)
             out = graph.call_function(operator.getitem, (fused, 0))
-        fake_mode = getattr(val(inputs["q"]), "fake_mode", None)
         if fake_mode is not None:
             with fake_mode:
                 fakes = torch.ops.xaccel.mlstm.default(*[val(a) if isinstance(a, torch.fx.Node) else a for a in args])
             fused.meta["val"], out.meta["val"] = fakes, fakes[0].to(val(h).dtype)
         if h.meta.get("stack_trace"):
             out.meta["stack_trace"] = h.meta["stack_trace"]
-        if val(h).dtype != val(inputs["q"]).dtype:
-            graph.erase_node(out)
-            graph.erase_node(fused)
-            report.fallbacks.append(Fallback(FAMILY, "output dtype differs from q's", location(h)))
-            continue
         h.replace_all_uses_with(out)
         order = {n: i for i, n in enumerate(graph.nodes)}
         for n in sorted(region, key=order.__getitem__, reverse=True):

@@ -93,6 +93,58 @@ def test_dynamic_float_eps_keeps_the_backend_working(monkeypatch, specialize_flo
         assert "specialize_float" in str(report), str(report)
 
 
+class CachedMaskCell(torch.nn.Module):
+    """Gates [B, NH, S, 1] (the xLSTM block stack's layout) and the causal mask as a registered
+    buffer, sliced to the sequence length; `style` picks how the mask is applied."""
+
+    def __init__(self, style: str, mask=None, S_max: int = 64):
+        super().__init__()
+        ones = torch.ones(S_max, S_max, dtype=torch.bool)
+        self.style = style
+        self.register_buffer("mask", mask if mask is not None else (ones.triu(1) if style == "upper" else ones.tril()),
+                             persistent=False)
+
+    def forward(self, q, k, v, i, f):
+        S, D = q.shape[-2], q.shape[-1]
+        Fc = torch.cumsum(F.logsigmoid(f), dim=-2)
+        logD = Fc - Fc.transpose(-2, -1) + i.transpose(-2, -1)
+        mask = self.mask[:S, :S]
+        if self.style == "where":
+            logD = torch.where(mask, logD, float("-inf"))
+        else:
+            logD = logD.masked_fill(mask if self.style == "upper" else ~mask, float("-inf"))
+        m = logD.amax(-1, keepdim=True)
+        C = (q @ k.transpose(-2, -1)) * (D ** -0.5) * torch.exp(logD - m)
+        n = torch.maximum(C.sum(-1, keepdim=True).abs(), torch.exp(-m))
+        return (C / (n + 1e-6)) @ v
+
+
+def _column_gate_inputs(seed=5):
+    x = _inputs(seed=seed)
+    return x[:3] + [t.detach().unsqueeze(-1).requires_grad_() for t in x[3:]]
+
+
+@pytest.mark.parametrize("style", ["masked_fill", "where", "upper"])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_cached_causal_mask_buffer_and_column_gates(style, dynamic):
+    report = check_compiled(CachedMaskCell(style), _column_gate_inputs(), dynamic=dynamic, tol=2e-5)
+    assert report.counts()["mlstm"] == 1, str(report)
+
+
+def test_cached_mask_that_is_not_causal_is_left_alone_and_a_later_change_is_caught():
+    full = CachedMaskCell("where", mask=torch.ones(64, 64, dtype=torch.bool))  # attention over the whole sequence
+    report = check_compiled(full, _column_gate_inputs(), tol=1e-6)
+    assert report.counts()["mlstm"] == 0 and "not causal" in str(report), str(report)
+    torch._dynamo.reset()
+    cell = CachedMaskCell("masked_fill")
+    x = _column_gate_inputs()
+    compiled = torch.compile(cell, backend="xaccel")
+    compiled(*x)
+    cell.mask.fill_(True)  # the buffer changes after the compile: an error, not a silently causal result
+    with pytest.raises(RuntimeError):
+        compiled(*x)
+
+
 def test_mlstm_block_with_projections_around_it():
     torch.manual_seed(0)
     proj = [torch.nn.Linear(16, 16) for _ in range(3)]

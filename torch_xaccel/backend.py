@@ -73,7 +73,9 @@ def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **_options):
 
         training = torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
-        lowered = run_passes(to_aten(gm, example_inputs), cfg.patterns, report, training)
+        aten_gm = to_aten(gm, example_inputs)
+        aten_gm.meta["xaccel_example_inputs"] = example_inputs  # real values, for checks of cached constants
+        lowered = run_passes(aten_gm, cfg.patterns, report, training)
         report.eager_pointwise = _pointwise_ops(lowered)
         if not report.replacements:
             # nothing of ours in the graph: hand the original to the fallback untouched
