@@ -1,6 +1,6 @@
 """Compile generated kernels for sm_90 WITHOUT a GPU and report registers, spills and shared memory.
 
-    python benchmarks/compile_report.py
+    python benchmarks/compile_report.py [--mlstm-shapes 128x128,512x512] [--all-candidates] [--no-gemm]
 
 Uses the local Triton (CI's version, not necessarily the GPU machine's) and the ptxas it bundles
 (`ptxas-blackwell`, which accepts the PTX version Triton emits). Spills and shared-memory overruns
@@ -56,28 +56,37 @@ def gemm_kernels():
         print(f"gemm_epilogue {variant:4s} 128x256x64 8 warps 3 stages: {report(fn, types, cons, 8, 3)}")
 
 
-def mlstm_kernels(shapes=((128, 128), (256, 512))):
-    """Every mLSTM kernel at the default configs for the given (DK, DV) head shapes."""
+def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False):
+    """Every mLSTM kernel at the default configs (or, all_candidates, at every tuning candidate,
+    each distinct kernel config once) for the given (DK, DV) head shapes."""
     def types_for(fn):
         return {a: ("*bf16" if a in ("q_ptr", "k_ptr", "v_ptr", "h_ptr", "Cs_ptr", "dCs_ptr", "dh_ptr", "dq_ptr",
                                      "dk_ptr", "dv_ptr") else "i32" if a in ("S", "NC", "NT")
                     else "fp32" if a in ("scale", "eps") else "*fp32") for a in fn.arg_names}
 
+    seen = set()
     for DK, DV in shapes:
-        for phase, cfg in (("fwd", triton_mlstm.forward_config(DK, DV)), ("bwd", triton_mlstm.backward_config(DK, DV))):
-            kernels = [("mlstm_chunk_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), triton_mlstm._scan_warps(cfg))]
-            fwd_tiles = dict(BV=cfg["BV"], **({"BKQ": cfg["BKQ"]} if cfg.get("BKQ") else {}))
-            kernels += ([("mlstm_fwd.py.jinja", fwd_tiles, cfg["warps"])] if phase == "fwd" else
-                        [("mlstm_bwd_rows.py.jinja", dict(BV=cfg["BV"]), cfg["warps"]),
-                         ("mlstm_bwd_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), triton_mlstm._scan_warps(cfg)),
-                         ("mlstm_bwd.py.jinja", dict(BV=cfg["BV"]), cfg["warps"])])
-            for template, tiles, warps in kernels:
-                extra = (dict(has_state=False) if template == "mlstm_chunk_states.py.jinja" else
-                         dict(k_loop="BKQ" in tiles) if template == "mlstm_fwd.py.jinja" else {})
-                fn = _load(*triton_mlstm._render(template, torch.bfloat16, False, **extra))
-                cons = dict(DK=DK, DV=DV, L=cfg["L"], **tiles)
-                print(f"{template.split('.')[0]:20s} DK{DK} DV{DV} {cons} {warps} warps: "
-                      f"{report(fn, types_for(fn), cons, warps, cfg['stages'])}", flush=True)
+        phases = (("fwd", triton_mlstm.forward_candidates(DK, DV)), ("bwd", triton_mlstm.backward_candidates(DK, DV)))
+        for phase, cands in phases:
+            for cfg in cands if all_candidates else cands[:1]:
+                scan = triton_mlstm._scan_warps(cfg)
+                kernels = [("mlstm_chunk_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), scan)]
+                fwd_tiles = dict(BV=cfg["BV"], **({"BKQ": cfg["BKQ"]} if cfg.get("BKQ") else {}))
+                kernels += ([("mlstm_fwd.py.jinja", fwd_tiles, cfg["warps"])] if phase == "fwd" else
+                            [("mlstm_bwd_rows.py.jinja", dict(BV=cfg["BV"]), cfg["warps"]),
+                             ("mlstm_bwd_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), scan),
+                             ("mlstm_bwd.py.jinja", dict(BV=cfg["BV"]), cfg["warps"])])
+                for template, tiles, warps in kernels:
+                    key = (template, DK, DV, cfg["L"], tuple(sorted(tiles.items())), warps, cfg["stages"])
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    extra = (dict(has_state=False) if template == "mlstm_chunk_states.py.jinja" else
+                             dict(k_loop="BKQ" in tiles) if template == "mlstm_fwd.py.jinja" else {})
+                    fn = _load(*triton_mlstm._render(template, torch.bfloat16, False, **extra))
+                    cons = dict(DK=DK, DV=DV, L=cfg["L"], **tiles)
+                    print(f"{template.split('.')[0]:20s} DK{DK} DV{DV} {cons} {warps} warps {cfg['stages']} stages: "
+                          f"{report(fn, types_for(fn), cons, warps, cfg['stages'])}", flush=True)
 
 
 if __name__ == "__main__":
@@ -86,8 +95,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--mlstm-shapes", default="128x128,256x512", help="DKxDV head shapes, comma-separated")
     ap.add_argument("--no-gemm", action="store_true")
+    ap.add_argument("--all-candidates", action="store_true", help="every mLSTM tuning candidate, not only the defaults")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, target sm_90 (ptxas {os.path.basename(PTXAS)})")
     if not args.no_gemm:
         gemm_kernels()
-    mlstm_kernels([tuple(int(x) for x in s.split("x")) for s in args.mlstm_shapes.split(",")])
+    mlstm_kernels([tuple(int(x) for x in s.split("x")) for s in args.mlstm_shapes.split(",")], args.all_candidates)
