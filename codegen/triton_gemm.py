@@ -7,6 +7,7 @@ does not cover (batched B, empty tensors, other devices), so the runtime runs th
 """
 from __future__ import annotations
 
+import time
 
 import torch
 
@@ -197,13 +198,14 @@ def _tune(case: _Case, reference_fn, cands, make_case, timings: list) -> tuple |
 
     outs = case.new_outputs()
     cache.precompile(cands, lambda cfg: make_case().launch(cfg, outs, warmup=True))
-    if case.M <= SMALL_M_ROWS:
+    small = case.M <= SMALL_M_ROWS
+    if small:
         time_fn = _gpu_ms
     else:
         def time_fn(fn):
             return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
     aten_ms = time_fn(reference_fn)
-    timings.append(["aten", round(aten_ms, 5), "GPU time" if case.M <= SMALL_M_ROWS else ""])
+    timings.append(["aten", round(aten_ms, 5), "GPU time" if small else ""])
     return cache.fastest(f"{case.kernel_name} M{case.M} N{case.N} K{case.K}", cands,
                          lambda cfg: time_fn(lambda: make_case().launch(cfg, outs)),
                          best=None, best_ms=aten_ms, timings=timings)
@@ -214,8 +216,6 @@ def _gpu_ms(fn, calls: int = 20, rounds: int = 3) -> float:
     (which would disturb other threads and, if it failed, the caching allocator): a GPU sleep
     longer than the CPU needs to queue `calls` calls is enqueued first, so the events around them
     time only the GPU's work. The sleep is sized from a first, plain round. Median of `rounds`."""
-    import time
-
     fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()

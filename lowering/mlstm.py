@@ -11,8 +11,8 @@ Matched (ATen pre-dispatch, walking back from the output matmul):
 
 with the causal mask written as masked_fill(~tril(ones), -inf), masked_fill(triu(ones, 1), -inf)
 or where(tril(ones), x, -inf), or a cached boolean buffer in those roles (value checked at compile
-time and asserted at run time); gates [B, NH, S] or [B, NH, S, 1]; maximum, mul and add in either argument order. Every step is
-checked (ops, dims, the -inf fill, the scale value, eps a constant); each intermediate must have
+time and asserted at run time); gates [B, NH, S] or [B, NH, S, 1]; maximum, mul and add in either
+argument order. Every step is checked (ops, dims, the -inf fill, the scale value, eps a constant); each intermediate must have
 no user outside the pattern. The replaced graph computes the same function (the op's semantics
 without an initial state are exactly this form) in fp32, so it agrees with the original within
 rounding. Anything else that starts like an mLSTM (a logsigmoid feeding a cumsum) is reported
@@ -112,9 +112,10 @@ def _causal_mask(mask, negate: bool, take, checks: list):
             raise NoMatch("tril with a diagonal offset")
         take(_expect(mask.args[0], aten.ones.default, what="ones() under tril"))
     except NoMatch:
-        if _cached_mask(mask) is None:
+        root = _cached_mask(mask)
+        if root is None:
             raise
-        checks.append((mask, negate))
+        checks.append((mask, root, negate))
 
 
 def _cached_mask(node):
@@ -287,7 +288,7 @@ def _transposed(node):
 
 def match(h: torch.fx.Node):
     """Walk back from a candidate output matmul; return (inputs dict, eps, pattern nodes, cached
-    masks to check at run time as (node, negated)). A NoMatch carries `.depth`, how many pattern
+    masks to check as (mask node, the graph input it slices, negated)). A NoMatch carries `.depth`, how many pattern
     nodes held before the failing step."""
     seen: list[torch.fx.Node] = []
     checks: list = []
@@ -438,13 +439,13 @@ def run(gm: torch.fx.GraphModule, report: GraphReport, training: bool) -> None:
         if val(h).dtype != val(inputs["q"]).dtype:
             report.fallbacks.append(Fallback(FAMILY, "output dtype differs from q's", location(h)))
             continue
-        refusals = [r for r in (_cached_mask_refusal(_cached_mask(mk), neg, gm) for mk, neg in mask_checks) if r]
+        refusals = [r for r in (_cached_mask_refusal(root, neg, gm) for _, root, neg in mask_checks) if r]
         if refusals:
             report.fallbacks.append(Fallback(FAMILY, f"mLSTM with {refusals[0]}: left as written", location(h)))
             continue
         fake_mode = getattr(val(inputs["q"]), "fake_mode", None)
         with graph.inserting_before(h):
-            for mask, negate in mask_checks:
+            for mask, _, negate in mask_checks:
                 _assert_causal(graph, mask, negate)
             gates = [_as_sequence(graph, inputs[g], fake_mode) for g in "if"]
             args = (inputs["q"], inputs["k"], inputs["v"], *gates, None, None, None, eps, CHUNK)

@@ -76,7 +76,8 @@ def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **_options):
         aten_gm = to_aten(gm, example_inputs)
         aten_gm.meta["xaccel_example_inputs"] = example_inputs  # real values, for checks of cached constants
         lowered = run_passes(aten_gm, cfg.patterns, report, training)
-        report.eager_pointwise = _pointwise_ops(lowered)
+        if cfg.fallback == "eager":  # only the eager fallback leaves them unfused (the report's hint)
+            report.eager_pointwise = _pointwise_ops(lowered)
         if not report.replacements:
             # nothing of ours in the graph: hand the original to the fallback untouched
             return gm.forward if cfg.fallback == "eager" else _compile_rest(gm, example_inputs, cfg.fallback)

@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -279,16 +280,8 @@ def run_model_case(case: Case) -> list:
         "native kernels + xaccel, rest by Inductor": (native, {"XACCEL_FALLBACK": "inductor"}),
     }
     for name, (kernels, env) in configs.items():
-        saved_env = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with mock.patch.dict(os.environ, env):  # restored afterwards, unset ones removed again
             _model_config_rows(name, kernels, dims, dev, tokens, add)
-        finally:
-            for k, v in saved_env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
     base = rows[0]["ms"] if rows else 1.0
     for r in rows:
         r["vs_cublas"], r["vs_xaccel"] = r["ms"] / base, r["ms"] / base
@@ -369,8 +362,7 @@ SUITES = {
 }
 
 
-GPU_TIME_NOTE = ("GPU time of 20 calls queued behind a GPU sleep: no L2 flush, no gaps for per-call CPU cost "
-                 "(do_bench's per-call events include them)")
+GPU_TIME_NOTE = "GPU time of 20 calls queued behind a GPU sleep: no L2 flush between calls, CPU launch cost hidden"
 
 
 def run_case(case: Case, max_autotune: bool) -> list:

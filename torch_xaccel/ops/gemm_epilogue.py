@@ -26,12 +26,7 @@ def _b_kn(b: Tensor, b_transposed: bool) -> Tensor:
 
 
 def reference(a: Tensor, bs: list[Tensor], operands: list[Tensor], epilogue: str, b_transposed: bool) -> list[Tensor]:
-    ep = parse(epilogue)
-    accs = [torch.matmul(a, _b_kn(b, b_transposed)) for b in bs]
-    vals = evaluate(ep, accs, operands)
-    outs = [vals[o].to(a.dtype).contiguous() for o in ep.outputs]  # contiguous, as the fake promises
-    inputs = {id(t) for t in (a, *bs, *operands)}
-    return [o.clone() if id(o) in inputs else o for o in outs]  # custom ops must not alias inputs
+    return _compose(a, bs, operands, epilogue, b_transposed, torch.float32)
 
 
 def aten_composition(a: Tensor, bs: list[Tensor], operands: list[Tensor], epilogue: str,
@@ -42,12 +37,18 @@ def aten_composition(a: Tensor, bs: list[Tensor], operands: list[Tensor], epilog
     by intermediate rounding, as eager does."""
     if a.dtype == torch.float32:
         return reference(a, bs, operands, epilogue, b_transposed)
+    return _compose(a, bs, operands, epilogue, b_transposed, None)  # eager's dtypes: a 0-d fp32 scalar stays fp32
+
+
+def _compose(a, bs, operands, epilogue, b_transposed, chain_dtype) -> list[Tensor]:
+    """The GEMMs in the input dtype, the chain in chain_dtype (None: the operands' own dtypes),
+    outputs rounded to the input dtype."""
     ep = parse(epilogue)
     accs = [torch.matmul(a, _b_kn(b, b_transposed)) for b in bs]
-    vals = evaluate(ep, accs, operands, dtype=None)  # eager's dtypes: a 0-d fp32 scalar stays fp32
-    outs = [vals[o].to(a.dtype).contiguous() for o in ep.outputs]
+    vals = evaluate(ep, accs, operands, dtype=chain_dtype)
+    outs = [vals[o].to(a.dtype).contiguous() for o in ep.outputs]  # contiguous, as the fake promises
     inputs = {id(t) for t in (a, *bs, *operands)}
-    return [o.clone() if id(o) in inputs else o for o in outs]
+    return [o.clone() if id(o) in inputs else o for o in outs]  # custom ops must not alias inputs
 
 
 def case_key(a: Tensor, bs: list[Tensor], operands: list[Tensor], epilogue: str, b_transposed: bool) -> tuple:
