@@ -71,16 +71,13 @@ INTERPRETER_CONFIG = dict(L=16, BV=16, BK=16, BVS=16, warps=4, stages=1)
 
 
 def _fit(cfg: dict, DK: int, DV: int) -> dict:
-    out = dict(cfg, BV=min(DV, cfg["BV"]), BK=min(DK, cfg["BK"]), BVS=min(DV, cfg["BVS"]))
-    if "BKQ" in cfg:
-        out["BKQ"] = min(DK, cfg["BKQ"])
-    return out
+    return dict(cfg, BV=min(DV, cfg["BV"]), BK=min(DK, cfg["BK"]), BVS=min(DV, cfg["BVS"]))
 
 
 def _scan_warps(cfg: dict) -> int:
     """Warps of the sequential state scans: SW if the config sets it, else at most 4 (the measured
     defaults). At 4 warps a 64 x 128 fp32 state tile spills 584 B per scan program on sm_90
-    (compile report), at 8 none; the SW=8 candidates are not yet timed."""
+    (compile report), at 8 none; SW=8 is a tuning candidate."""
     return cfg.get("SW", min(cfg["warps"], 4))
 
 
@@ -89,31 +86,29 @@ WIDE_DK = 512  # from this DQK on, the [L, DQK] tiles need the smaller configs b
 
 def forward_candidates(DK: int, DV: int) -> list[dict]:
     """Configs timed once per shape class: chunk length L, DV tile of the output kernel (BV),
-    state tile of the scan (BK x BVS), warps, pipeline stages, SW (the scans' warps, see
-    _scan_warps) and BKQ: when set, the output kernel walks DK in BKQ-wide slices instead of
-    holding [L, DK] tiles. The first is the
-    default: the best on the H200 (bf16, Triton 3.6, tuning report of 2026-11-30) at B8 NH16
-    S8192 128/128 (1.33 ms; the others 1.51-1.55) and at the 7B head shape (1.96 ms; others
-    2.40-2.44). The BKQ candidates are not yet timed (sm_90 compile report: 33-49 KB of shared
-    memory instead of 131-230 KB, 1-2.4 KB of spills). DQK 512: the whole-tile kernel at L128 x
-    BV128 asks 426 KB, so the sliced one is the default there; L64 x BV64 whole tiles fit (205 KB)."""
+    state tile of the scan (BK x BVS), warps, pipeline stages and SW (the scans' warps, see
+    _scan_warps). The first is the default: the best on the H200 (bf16, Triton 3.6, tuning
+    report of 2026-11-30) at B8 NH16 S8192 128/128 (1.33 ms; the others 1.51-1.55) and at the
+    7B head shape (1.96 ms; others 2.40-2.44); the runners-up stay: they won at small shapes (and
+    BVS 64 won at 128/128 in a later run, 1.10 ms). DQK 512: L128 x BV128 asks 426 KB of shared
+    memory; L64 x BV64 fits (205 KB). A variant of the output kernel that walked DQK in 64-wide
+    slices (33-49 KB) was removed: on the H200 under Triton 3.6 its bf16 outputs were off by
+    2.5-5.4e-2 (the whole-tile kernel: 2.4e-3) while Triton's interpreter agreed to 1e-6."""
     if DK >= WIDE_DK:
-        base = dict(L=128, BV=128, BK=64, BVS=128, warps=8, stages=2, BKQ=64)
-        return [_fit(c, DK, DV) for c in (base, dict(L=64, BV=64, BK=64, BVS=128, warps=8, stages=2),
-                                          dict(base, L=64, warps=4, stages=3))]
+        base = dict(L=64, BV=64, BK=64, BVS=128, warps=8, stages=2)
+        return [_fit(c, DK, DV) for c in (base, dict(base, SW=8))]
     base = dict(L=128, BV=128, BK=64, BVS=128, warps=8, stages=2)
-    return [_fit(c, DK, DV) for c in (base, dict(base, BVS=64), dict(base, L=64), dict(base, BKQ=64, stages=3),
-                                      dict(base, L=64, BKQ=64, warps=4, stages=3), dict(base, SW=8))]
+    return [_fit(c, DK, DV) for c in (base, dict(base, BVS=64), dict(base, L=64), dict(base, SW=8))]
 
 
 def backward_candidates(DK: int, DV: int) -> list[dict]:
     """Same keys. Chunk 64, DV tile 32, scan tile 64 x 128 won at both head shapes (5.47 ms
-    and 6.53 ms, against 6.2-7.8 and 8.1-10.8 for the other tiles). DQK 512: the per-chunk kernel
-    fits at L64 x BV32 (213 KB) but spills 11 KB; L32 x BV64 spills 3 KB, L16 x BV64 at 4 warps
-    2.7 KB in 134 KB (compile report, not yet timed)."""
+    and 6.53 ms, against 6.2-7.8 and 8.1-10.8 for the other tiles). DQK 512: L64 x BV32 asks
+    290 KB of shared memory on the H200 (over the 227 KB limit); L32 x BV64 and L16 x BV64
+    fit (checked against the analytic backward on the H200, not yet timed)."""
     if DK >= WIDE_DK:
         base = dict(L=32, BV=64, BK=64, BVS=128, warps=8, stages=2)
-        return [_fit(c, DK, DV) for c in (base, dict(base, L=16, warps=4), dict(base, L=64, BV=32))]
+        return [_fit(c, DK, DV) for c in (base, dict(base, L=16, warps=4))]
     base = dict(L=64, BV=32, BK=64, BVS=128, warps=8, stages=2)
     return [_fit(c, DK, DV) for c in (base, dict(base, warps=4), dict(base, BVS=64, warps=4), dict(base, SW=8))]
 
@@ -239,11 +234,8 @@ def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps):
     h = torch.empty(B, H, S, DV, dtype=q.dtype, device=q.device)
     NC = -(-S // L)
     args = (q, k, v, i, f, h, Cs, ns, ms, S, NC, DK ** -0.5, eps)
-    meta = dict(DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=cfg["warps"], num_stages=cfg["stages"])
-    if cfg.get("BKQ"):  # the output kernel walks DK in slices (see the template)
-        meta["BKQ"] = cfg["BKQ"]
-    _launch(_kernel("mlstm_fwd.py.jinja", q.dtype, k_loop=bool(cfg.get("BKQ"))), (B * H, NC, DV // cfg["BV"]), *args,
-            **meta)
+    _launch(_kernel("mlstm_fwd.py.jinja", q.dtype), (B * H, NC, DV // cfg["BV"]), *args,
+            DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=cfg["warps"], num_stages=cfg["stages"])
     return h, C, n, m
 
 
