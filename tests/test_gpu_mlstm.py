@@ -18,6 +18,24 @@ def _default_configs(monkeypatch):
     monkeypatch.setattr(triton_mlstm, "TUNE", False)
 
 
+def _assert_grads_close(got, want, C0, n0, tol=5e-2):
+    """Every gradient within tol (relative, norm-wise) of the analytic fp64 backward, except dm0:
+    it is e0 (dC0 . C0 + dn0 . n0) + the stabilizer term, a sum over DQK x DV products that
+    cancels to under 1 % of its absolute terms (at DQK 512 to 1e-4), so bf16's 2-3e-3 error
+    in dC0 can exceed tol relative to dm0 itself. dm0 must instead be off by no more than
+    the errors of dC0 and dn0 (checked above it) can carry through that sum (Cauchy-Schwarz),
+    plus tol of its own size (an error beyond what the checked gradients explain fails)."""
+    for j, (g, w) in enumerate(zip(got, want)):
+        if w is None:
+            continue
+        if j == 7:
+            carried = ((got[5] - want[5]).double().flatten(-2).norm(dim=-1) * C0.double().flatten(-2).norm(dim=-1)
+                       + (got[6] - want[6]).double().norm(dim=-1) * n0.double().norm(dim=-1))
+            assert ((g.double() - w).abs() <= 2 * carried + tol * w.abs()).all(), (g, w, carried)
+        else:
+            assert rel_err(g, w) <= tol, j
+
+
 @pytest.mark.parametrize("DK,DV", [(128, 128), (256, 512), (512, 512), (512, 64)])
 def test_every_tuning_candidate_matches_reference(DK, DV):
     """Whatever config tuning picks must be right: each forward and backward candidate against
@@ -41,7 +59,7 @@ def test_every_tuning_candidate_matches_reference(DK, DV):
         h = got[0]
     for cfg in triton_mlstm.backward_candidates(DK, DV):
         got = triton_mlstm._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, h)
-        assert all(rel_err(g, w) <= 5e-2 for g, w in zip(got, want_g)), cfg
+        _assert_grads_close(got, want_g, st[0], st[1])
 
 
 def test_tuning_persists_a_decision_and_ignores_a_corrupt_entry(monkeypatch, tmp_path):
@@ -159,9 +177,7 @@ def test_backward_kernel_matches_analytic_backward(B, H, S, DK, DV, with_state):
     got = triton_mlstm.backward(None, *cots, *x, *st, 1e-6, 64)
     assert got is not NotImplemented
     want = analytic(*(c.double() for c in cots), *(t.double() for t in x), *(t.double() if t is not None else None for t in st))
-    for g, w in zip(got, want):
-        if w is not None:
-            assert rel_err(g, w) <= 5e-2
+    _assert_grads_close(got, want, *st[:2])
 
 
 def test_first_call_inside_a_cuda_graph_capture_uses_the_default_and_persists_nothing(monkeypatch, tmp_path):
