@@ -55,14 +55,20 @@ SMALL_M_ROWS = 256  # at most this many rows: the decode-sized configs, timed as
 
 
 def candidates(m: int, n_gemms: int, dtype: torch.dtype, n: int | None = None) -> list[tuple]:
-    """The tile configs tuning times for a shape class (m rows, n output columns when known)."""
+    """The tile configs tuning times for a shape class (m rows, n output columns when known), less
+    those whose tiles for n_gemms weight matrices do not fit shared memory: with tuning off
+    (XACCEL_TUNE=0) the first is run untimed, and a small-M dual GEMM's first SMALL_M config asked
+    262 KB on the H200."""
     if dtype == torch.float32:
-        return FP32
-    if n is not None and n <= NARROW_N_COLS and n_gemms == 1:
-        return NARROW_N
-    if m <= SMALL_M_ROWS:
-        return SMALL_M
-    return DUAL if n_gemms > 1 else LARGE
+        listed = FP32
+    elif n is not None and n <= NARROW_N_COLS and n_gemms == 1:
+        listed = NARROW_N
+    elif m <= SMALL_M_ROWS:
+        listed = SMALL_M
+    else:
+        listed = DUAL if n_gemms > 1 else LARGE
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return [c for c in listed if shared_bytes(c, n_gemms, itemsize) <= SHARED_LIMIT]
 
 
 _KERNELS: dict = {}

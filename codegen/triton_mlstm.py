@@ -75,10 +75,11 @@ def _fit(cfg: dict, DK: int, DV: int) -> dict:
 
 
 def _scan_warps(cfg: dict) -> int:
-    """Warps of the sequential state scans: SW if the config sets it, else at most 4 (the measured
-    defaults). At 4 warps a 64 x 128 fp32 state tile spills 584 B per scan program on sm_90
-    (compile report), at 8 none; SW=8 is a tuning candidate."""
-    return cfg.get("SW", min(cfg["warps"], 4))
+    """Warps of the sequential state scans: at most 4. Scans at 8 warps (no register spills at
+    sm_90, against 584 B per program at 4) were timed on the H200 and lost at both head shapes:
+    forward 1.56 vs 1.35 ms (128/128) and 2.50 vs 1.97 ms (256/512), backward 6.61 vs 5.52 and
+    8.52 vs 6.59 ms."""
+    return min(cfg["warps"], 4)
 
 
 WIDE_DK = 512  # from this DQK on, the [L, DQK] tiles need the smaller configs below
@@ -86,32 +87,37 @@ WIDE_DK = 512  # from this DQK on, the [L, DQK] tiles need the smaller configs b
 
 def forward_candidates(DK: int, DV: int) -> list[dict]:
     """Configs timed once per shape class: chunk length L, DV tile of the output kernel (BV),
-    state tile of the scan (BK x BVS), warps, pipeline stages and SW (the scans' warps, see
-    _scan_warps). The first is the default: the best on the H200 (bf16, Triton 3.6, tuning
-    report of 2026-11-30) at B8 NH16 S8192 128/128 (1.33 ms; the others 1.51-1.55) and at the
-    7B head shape (1.96 ms; others 2.40-2.44); the runners-up stay: they won at small shapes (and
-    BVS 64 won at 128/128 in a later run, 1.10 ms). DQK 512: L128 x BV128 asks 426 KB of shared
-    memory; L64 x BV64 fits in bf16/fp16 (205 KB), not in fp32 (410 KB): L32 x BV64 at 4 warps is
-    the candidate that does (the tuner falls through to the first config that runs). A variant of the output kernel that walked DQK in 64-wide
-    slices (33-49 KB) was removed: on the H200 under Triton 3.6 its bf16 outputs were off by
-    2.5-5.4e-2 (the whole-tile kernel: 2.4e-3) while Triton's interpreter agreed to 1e-6."""
+    state tile of the scan (BK x BVS), warps (the scans': _scan_warps) and pipeline stages. The
+    first is the default: the best on the H200 (bf16, Triton 3.6, tuning reports of 2026-11-30)
+    at B8 NH16 S8192 128/128 (1.33-1.35 ms; the others 1.51-1.55) and at the 7B head shape
+    (1.96-1.97 ms; others 2.40-2.44); the runners-up stay: they win at small shapes. DQK 512:
+    L128 x BV128 asks 426 KB of shared memory; L64 x BV64 fits in bf16/fp16 (205 KB), not in
+    fp32 (410 KB), where L32 x BV64 is the candidate that should (the tuner falls through to the
+    first config that runs).
+
+    Removed: an output kernel that walked DQK in 64-wide slices (33-49 KB of shared memory). On
+    the H200 under Triton 3.6 it was right at DQK 128 (and the fastest there: 1.11 against 1.35
+    ms) but its bf16 outputs were off by 2.5-5.4e-2 at DQK 256 and 512 in some configs (the
+    whole-tile kernel: 2.4e-3), while Triton's interpreter agreed to 1e-6. Until that is
+    understood it is not offered (template in git history, commit 4d860b6)."""
     if DK >= WIDE_DK:
         base = dict(L=64, BV=64, BK=64, BVS=128, warps=8, stages=2)
-        return [_fit(c, DK, DV) for c in (base, dict(base, SW=8), dict(base, L=32, warps=4))]
+        return [_fit(c, DK, DV) for c in (base, dict(base, L=32, warps=4))]
     base = dict(L=128, BV=128, BK=64, BVS=128, warps=8, stages=2)
-    return [_fit(c, DK, DV) for c in (base, dict(base, BVS=64), dict(base, L=64), dict(base, SW=8))]
+    return [_fit(c, DK, DV) for c in (base, dict(base, BVS=64), dict(base, L=64))]
 
 
 def backward_candidates(DK: int, DV: int) -> list[dict]:
     """Same keys. Chunk 64, DV tile 32, scan tile 64 x 128 won at both head shapes (5.47 ms
     and 6.53 ms, against 6.2-7.8 and 8.1-10.8 for the other tiles). DQK 512: L64 x BV32 asks
     290 KB of shared memory on the H200 (over the 227 KB limit); L32 x BV64 and L16 x BV64
-    fit (checked against the analytic backward on the H200, not yet timed)."""
+    fit (checked against the analytic backward on the H200, not yet timed). At 128/128 the
+    4-warp candidate won the latest run (5.21 against 5.52 ms)."""
     if DK >= WIDE_DK:
         base = dict(L=32, BV=64, BK=64, BVS=128, warps=8, stages=2)
         return [_fit(c, DK, DV) for c in (base, dict(base, L=16, warps=4))]
     base = dict(L=64, BV=32, BK=64, BVS=128, warps=8, stages=2)
-    return [_fit(c, DK, DV) for c in (base, dict(base, warps=4), dict(base, BVS=64, warps=4), dict(base, SW=8))]
+    return [_fit(c, DK, DV) for c in (base, dict(base, warps=4), dict(base, BVS=64, warps=4))]
 
 
 def forward_config(DK: int, DV: int) -> dict:

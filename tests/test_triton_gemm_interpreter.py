@@ -103,6 +103,23 @@ def test_every_listed_config_fits_shared_memory():
     assert tg.shared_bytes(("tma", 128, 256, 64, 8, 8, 4, 0), 1) > tg.SHARED_LIMIT  # measured: 262176 B
 
 
+def test_candidates_fit_shared_memory_for_their_gemm_count_and_dtype():
+    """With XACCEL_TUNE=0 the first candidate runs untimed: a small-M SwiGLU (two weight matrices)
+    got SMALL_M's first config, which asked 262144 B on the H200 and fell back to ATen."""
+    import torch
+
+    from torch_xaccel.codegen import triton_gemm as tg
+
+    for dtype in (torch.bfloat16, torch.float32):
+        for m, n in ((128, 4096), (8192, 4096), (8192, 8), (128, 8)):
+            for n_gemms in (1, 2):
+                cands = tg.candidates(m, n_gemms, dtype, n)
+                assert cands, (m, n, n_gemms, dtype)
+                assert all(tg.shared_bytes(c, n_gemms, dtype.itemsize) <= tg.SHARED_LIMIT for c in cands)
+    assert tg.shared_bytes(tg.SMALL_M[0], 2) > tg.SHARED_LIMIT  # so the dual list really is narrowed
+    assert tg.candidates(128, 2, torch.bfloat16, 4096)[0] != tg.SMALL_M[0]
+
+
 def test_candidate_lists_by_shape_class():
     """Narrow outputs (gate projections) get the short narrow-tile list, whatever M; SwiGLU-style
     dual GEMMs and fp32 keep theirs."""
