@@ -66,12 +66,16 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False)
 
     seen = set()
     for DK, DV in shapes:
-        phases = (("fwd", triton_mlstm.forward_candidates(DK, DV)), ("bwd", triton_mlstm.backward_candidates(DK, DV)))
+        fwd = triton_mlstm.forward_candidates(DK, DV)
+        if all_candidates:  # and the sliced kernel's configs that tuning does not offer yet
+            fwd = fwd + triton_mlstm.experimental_forward_configs(DK, DV)
+        phases = (("fwd", fwd), ("bwd", triton_mlstm.backward_candidates(DK, DV)))
         for phase, cands in phases:
             for cfg in cands if all_candidates else cands[:1]:
                 scan = triton_mlstm._scan_warps(cfg)
                 kernels = [("mlstm_chunk_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), scan)]
-                kernels += ([("mlstm_fwd.py.jinja", dict(BV=cfg["BV"]), cfg["warps"])] if phase == "fwd" else
+                fwd_tiles = dict(BV=cfg["BV"], **({"BKQ": cfg["BKQ"]} if cfg.get("BKQ") else {}))
+                kernels += ([("mlstm_fwd.py.jinja", fwd_tiles, cfg["warps"])] if phase == "fwd" else
                             [("mlstm_bwd_rows.py.jinja", dict(BV=cfg["BV"]), cfg["warps"]),
                              ("mlstm_bwd_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), scan),
                              ("mlstm_bwd.py.jinja", dict(BV=cfg["BV"]), cfg["warps"])])
@@ -80,7 +84,8 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False)
                     if key in seen:
                         continue
                     seen.add(key)
-                    extra = dict(has_state=False) if template == "mlstm_chunk_states.py.jinja" else {}
+                    extra = (dict(has_state=False) if template == "mlstm_chunk_states.py.jinja" else
+                             dict(k_loop="BKQ" in tiles) if template == "mlstm_fwd.py.jinja" else {})
                     fn = _load(*triton_mlstm._render(template, torch.bfloat16, False, **extra))
                     cons = dict(DK=DK, DV=DV, L=cfg["L"], **tiles)
                     print(f"{template.split('.')[0]:20s} DK{DK} DV{DV} {cons} {warps} warps {cfg['stages']} stages: "

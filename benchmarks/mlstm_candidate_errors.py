@@ -1,6 +1,7 @@
 """Relative error of every mLSTM tuning candidate (forward outputs h, C, n, m; backward gradients)
 against the fp64 reference / analytic backward, per head shape, dtype and initial state. A
-diagnostic for the GPU: it showed the DK-sliced forward kernel wrong at DQK 256/512 on the H200.
+diagnostic for the GPU: it showed the DK-sliced forward kernel wrong at DQK 256/512 on the H200;
+it also runs that kernel's experimental configs, which tuning does not offer until they pass here.
 
     python benchmarks/mlstm_candidate_errors.py
 """
@@ -47,6 +48,8 @@ def main() -> None:
             print(f"== DK{DK} DV{DV} S{S} {dt} state={with_state} (fwd: h C n m; bwd: dq dk dv di df dC0 dn0 dm0)")
             for cfg in triton_mlstm.forward_candidates(DK, DV):
                 run(f"  fwd {cfg}", lambda: errors(triton_mlstm._forward(cfg, *x, *st, 1e-6), want))
+            for cfg in triton_mlstm.experimental_forward_configs(DK, DV):  # not offered to tuning yet
+                run(f"  fwd, experimental {cfg}", lambda: errors(triton_mlstm._forward(cfg, *x, *st, 1e-6), want))
             for cfg in triton_mlstm.backward_candidates(DK, DV):
                 run(f"  bwd {cfg}", lambda: errors(triton_mlstm._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, h),
                                                    want_g))

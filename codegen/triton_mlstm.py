@@ -71,7 +71,10 @@ INTERPRETER_CONFIG = dict(L=16, BV=16, BK=16, BVS=16, warps=4, stages=1)
 
 
 def _fit(cfg: dict, DK: int, DV: int) -> dict:
-    return dict(cfg, BV=min(DV, cfg["BV"]), BK=min(DK, cfg["BK"]), BVS=min(DV, cfg["BVS"]))
+    out = dict(cfg, BV=min(DV, cfg["BV"]), BK=min(DK, cfg["BK"]), BVS=min(DV, cfg["BVS"]))
+    if "BKQ" in cfg:
+        out["BKQ"] = min(DK, cfg["BKQ"])
+    return out
 
 
 def _scan_warps(cfg: dict) -> int:
@@ -95,16 +98,29 @@ def forward_candidates(DK: int, DV: int) -> list[dict]:
     fp32 (410 KB), where L32 x BV64 is the candidate that should (the tuner falls through to the
     first config that runs).
 
-    Removed: an output kernel that walked DQK in 64-wide slices (33-49 KB of shared memory). On
-    the H200 under Triton 3.6 it was right at DQK 128 (and the fastest there: 1.11 against 1.35
-    ms) but its bf16 outputs were off by 2.5-5.4e-2 at DQK 256 and 512 in some configs (the
-    whole-tile kernel: 2.4e-3), while Triton's interpreter agreed to 1e-6. Until that is
-    understood it is not offered (template in git history, commit 4d860b6)."""
+    Not offered: the output kernel that walks DQK in 64-wide slices (33-49 KB of shared memory).
+    On the H200 under Triton 3.6 its first version was right at DQK 128 (and the fastest there:
+    1.11 against 1.35 ms) but its bf16 outputs were off by 2.5-5.4e-2 at DQK 256 and 512 in some
+    configs (the whole-tile kernel: 2.4e-3), while Triton's interpreter agreed to 1e-6. A
+    reworked version waits in experimental_forward_configs for its GPU check."""
     if DK >= WIDE_DK:
         base = dict(L=64, BV=64, BK=64, BVS=128, warps=8, stages=2)
         return [_fit(c, DK, DV) for c in (base, dict(base, L=32, warps=4))]
     base = dict(L=128, BV=128, BK=64, BVS=128, warps=8, stages=2)
     return [_fit(c, DK, DV) for c in (base, dict(base, BVS=64), dict(base, L=64))]
+
+
+def experimental_forward_configs(DK: int, DV: int) -> list[dict]:
+    """Configs of the sliced output kernel (BKQ: DK walked in slices; q.n in its own unpipelined
+    loop, see the template), NOT offered to tuning: its first version was wrong in bf16 on the
+    H200 at DQK 256/512 and right, and the fastest, at DQK 128 (1.11 against 1.35 ms at B8 NH16
+    S8192). This version moves q.n out of the dot loop (the suspect: triton-lang/triton#6691;
+    the sm_90 code of the old version showed no pipelining and no missing barrier, so the cause
+    is not confirmed). `benchmarks/mlstm_candidate_errors.py` and `mlstm_sweep.py --experimental`
+    check and time it on the GPU; only then may it join forward_candidates."""
+    L = 64 if DK >= WIDE_DK else 128
+    base = dict(L=L, BV=128, BK=64, BVS=128, warps=8, stages=2, BKQ=64)
+    return [_fit(c, DK, DV) for c in (base, dict(base, stages=3), dict(base, L=64, warps=4, stages=3))]
 
 
 def backward_candidates(DK: int, DV: int) -> list[dict]:
@@ -241,8 +257,11 @@ def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps):
     h = torch.empty(B, H, S, DV, dtype=q.dtype, device=q.device)
     NC = -(-S // L)
     args = (q, k, v, i, f, h, Cs, ns, ms, S, NC, DK ** -0.5, eps)
-    _launch(_kernel("mlstm_fwd.py.jinja", q.dtype), (B * H, NC, DV // cfg["BV"]), *args,
-            DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=cfg["warps"], num_stages=cfg["stages"])
+    meta = dict(DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=cfg["warps"], num_stages=cfg["stages"])
+    if cfg.get("BKQ"):  # the sliced output kernel (experimental_forward_configs)
+        meta["BKQ"] = cfg["BKQ"]
+    _launch(_kernel("mlstm_fwd.py.jinja", q.dtype, k_loop=bool(cfg.get("BKQ"))), (B * H, NC, DV // cfg["BV"]), *args,
+            **meta)
     return h, C, n, m
 
 

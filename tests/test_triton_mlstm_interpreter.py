@@ -76,7 +76,7 @@ CANDIDATES_SCRIPT = textwrap.dedent("""
         want = mlstm.reference(*(t.double() for t in x + st))
         cots = [torch.randn(B, H, S, DV), torch.randn(B, H, DK, DV), torch.randn(B, H, DK), torch.randn(B, H)]
         want_g = analytic(*(c.double() for c in cots), *(t.double() for t in x + st), chunk_size=64)
-        for cfg in triton_mlstm.forward_candidates(DK, DV):
+        for cfg in triton_mlstm.forward_candidates(DK, DV) + triton_mlstm.experimental_forward_configs(DK, DV):
             got = triton_mlstm._forward(cfg, *x, *st, 1e-6)
             errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want)]
             print("fwd", DK, DV, cfg, " ".join(f"{e:.1e}" for e in errs))
@@ -91,13 +91,15 @@ CANDIDATES_SCRIPT = textwrap.dedent("""
 
 
 def test_every_gpu_tuning_candidate_in_interpreter(tmp_path):
-    """The GPU's own tile configs (chunk 16-128, DQK 512's smaller ones included), whose logic the
-    default interpreter config does not exercise, against the reference in float32; whether they
+    """The GPU's own tile configs (chunk 16-128, DQK 512's smaller ones included, and the sliced
+    forward kernel's experimental ones), whose logic the default interpreter config does not
+    exercise, against the reference in float32; whether they
     fit the GPU is benchmarks/compile_report.py's and the `-m gpu` tests' business."""
     env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", CANDIDATES_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     from torch_xaccel.codegen import triton_mlstm
 
-    n = sum(len(triton_mlstm.forward_candidates(*hd)) + len(triton_mlstm.backward_candidates(*hd)) for hd in ((512, 64), (128, 128)))
+    n = sum(len(triton_mlstm.forward_candidates(*hd)) + len(triton_mlstm.experimental_forward_configs(*hd))
+            + len(triton_mlstm.backward_candidates(*hd)) for hd in ((512, 64), (128, 128)))
     assert proc.stdout.count("\n") == n, proc.stdout
