@@ -1,6 +1,6 @@
 """Compile generated kernels for sm_90 WITHOUT a GPU and report registers, spills and shared memory.
 
-    python benchmarks/compile_report.py [--mlstm-shapes 128x128,512x512] [--all-candidates] [--no-gemm]
+    python benchmarks/compile_report.py [--mlstm-shapes 128x128,512x512] [--all-candidates] [--no-gemm] [--dtype fp32]
 
 Uses the local Triton (CI's version, not necessarily the GPU machine's) and the ptxas it bundles
 (`ptxas-blackwell`, which accepts the PTX version Triton emits). Spills and shared-memory overruns
@@ -56,20 +56,23 @@ def gemm_kernels():
         print(f"gemm_epilogue {variant:4s} 128x256x64 8 warps 3 stages: {report(fn, types, cons, 8, 3)}")
 
 
-def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False):
+def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False, dtype: torch.dtype = torch.bfloat16):
     """Every mLSTM kernel at the default configs (or, all_candidates, at every tuning candidate,
-    each distinct kernel config once) for the given (DK, DV) head shapes."""
+    each distinct kernel config once) for the given (DK, DV) head shapes and input dtype."""
+    ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
+
     def types_for(fn):
-        return {a: ("*bf16" if a in ("q_ptr", "k_ptr", "v_ptr", "h_ptr", "Cs_ptr", "dCs_ptr", "dh_ptr", "dq_ptr",
+        return {a: (ptr if a in ("q_ptr", "k_ptr", "v_ptr", "h_ptr", "Cs_ptr", "dCs_ptr", "dh_ptr", "dq_ptr",
                                      "dk_ptr", "dv_ptr") else "i32" if a in ("S", "NC", "NT")
                     else "fp32" if a in ("scale", "eps") else "*fp32") for a in fn.arg_names}
 
     seen = set()
     for DK, DV in shapes:
-        fwd = triton_mlstm.forward_candidates(DK, DV)
+        size = dtype.itemsize
+        fwd = triton_mlstm.forward_candidates(DK, DV, size)
         if all_candidates:  # and the sliced kernel's configs that tuning does not offer yet
             fwd = fwd + triton_mlstm.experimental_forward_configs(DK, DV)
-        phases = (("fwd", fwd), ("bwd", triton_mlstm.backward_candidates(DK, DV)))
+        phases = (("fwd", fwd), ("bwd", triton_mlstm.backward_candidates(DK, DV, size)))
         for phase, cands in phases:
             for cfg in cands if all_candidates else cands[:1]:
                 scan = triton_mlstm._scan_warps(cfg)
@@ -86,7 +89,7 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False)
                     seen.add(key)
                     extra = (dict(has_state=False) if template == "mlstm_chunk_states.py.jinja" else
                              dict(k_loop="BKQ" in tiles) if template == "mlstm_fwd.py.jinja" else {})
-                    fn = _load(*triton_mlstm._render(template, torch.bfloat16, False, **extra))
+                    fn = _load(*triton_mlstm._render(template, dtype, False, **extra))
                     cons = dict(DK=DK, DV=DV, L=cfg["L"], **tiles)
                     print(f"{template.split('.')[0]:20s} DK{DK} DV{DV} {cons} {warps} warps {cfg['stages']} stages: "
                           f"{report(fn, types_for(fn), cons, warps, cfg['stages'])}", flush=True)
@@ -99,8 +102,11 @@ if __name__ == "__main__":
     ap.add_argument("--mlstm-shapes", default="128x128,256x512", help="DKxDV head shapes, comma-separated")
     ap.add_argument("--no-gemm", action="store_true")
     ap.add_argument("--all-candidates", action="store_true", help="every mLSTM tuning candidate, not only the defaults")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="mLSTM input dtype")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, target sm_90 (ptxas {os.path.basename(PTXAS)})")
     if not args.no_gemm:
         gemm_kernels()
-    mlstm_kernels([tuple(int(x) for x in s.split("x")) for s in args.mlstm_shapes.split(",")], args.all_candidates)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    mlstm_kernels([tuple(int(x) for x in s.split("x")) for s in args.mlstm_shapes.split(",")], args.all_candidates,
+                  dtype)

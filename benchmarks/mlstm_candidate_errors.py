@@ -2,6 +2,8 @@
 against the fp64 reference / analytic backward, per head shape, dtype and initial state. A
 diagnostic for the GPU: it showed the DK-sliced forward kernel wrong at DQK 256/512 on the H200;
 it also runs that kernel's experimental configs, which tuning does not offer until they pass here.
+Bounds as in the GPU tests (1e-2 forward, 5e-2 gradients; dm0 printed, not judged); exit status
+1 if any config fails or does not run.
 
     python benchmarks/mlstm_candidate_errors.py
 """
@@ -12,7 +14,8 @@ from torch_xaccel.ops import mlstm
 from torch_xaccel.ops.mlstm_backward import backward as analytic
 
 CASES = [(256, 512, 333, torch.bfloat16), (512, 512, 333, torch.bfloat16), (512, 64, 333, torch.bfloat16),
-         (512, 128, 150, torch.bfloat16), (512, 128, 150, torch.float16), (128, 128, 333, torch.bfloat16)]
+         (512, 128, 150, torch.bfloat16), (512, 128, 150, torch.float16), (128, 128, 333, torch.bfloat16),
+         (256, 512, 150, torch.float32), (512, 512, 150, torch.float32)]
 
 
 def rel_err(a, b):
@@ -20,16 +23,27 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def errors(got, want) -> str:
-    return " ".join("-" if w is None else "NaN" if g.isnan().any() else f"{rel_err(g, w):.1e}"
-                    for g, w in zip(got, want))
+FAILED = []
 
 
-def run(label, fn) -> None:
+def errors(got, want, tol) -> tuple[str, bool]:
+    """The errors as text, and whether all judged ones are within tol. dm0 (the 8th gradient) is
+    printed, not judged: it is a sum that cancels to 1e-2..1e-4 of its terms, see
+    tests/test_gpu_mlstm.py::_assert_grads_close for the check that fits it."""
+    errs = [None if w is None else float("nan") if g.isnan().any() else rel_err(g, w) for g, w in zip(got, want)]
+    ok = all(e is None or j == 7 or e <= tol for j, e in enumerate(errs))  # NaN fails the comparison
+    return " ".join("-" if e is None else f"{e:.1e}" for e in errs), ok
+
+
+def run(label, fn, tol) -> None:
     try:
-        print(label, fn(), flush=True)
+        text, ok = errors(*fn(), tol)
+        print(label, text, "PASS" if ok else "FAIL", flush=True)
     except Exception as e:  # noqa: BLE001 - a config that does not build or fit is a finding
-        print(label, "ERROR", type(e).__name__, str(e)[:200], flush=True)
+        text, ok = f"ERROR {type(e).__name__}: {str(e)[:200]}", False
+        print(label, text, flush=True)
+    if not ok:
+        FAILED.append(label)
 
 
 def main() -> None:
@@ -46,13 +60,16 @@ def main() -> None:
             want_g = analytic(*(c.double() for c in cots), *(d(t) for t in x + st))
             h = want[0].to(dt)  # the backward reads the saved output: give it the reference's
             print(f"== DK{DK} DV{DV} S{S} {dt} state={with_state} (fwd: h C n m; bwd: dq dk dv di df dC0 dn0 dm0)")
-            for cfg in triton_mlstm.forward_candidates(DK, DV):
-                run(f"  fwd {cfg}", lambda: errors(triton_mlstm._forward(cfg, *x, *st, 1e-6), want))
+            size = dt.itemsize
+            for cfg in triton_mlstm.forward_candidates(DK, DV, size):
+                run(f"  fwd {cfg}", lambda: (triton_mlstm._forward(cfg, *x, *st, 1e-6), want), 1e-2)
             for cfg in triton_mlstm.experimental_forward_configs(DK, DV):  # not offered to tuning yet
-                run(f"  fwd, experimental {cfg}", lambda: errors(triton_mlstm._forward(cfg, *x, *st, 1e-6), want))
-            for cfg in triton_mlstm.backward_candidates(DK, DV):
-                run(f"  bwd {cfg}", lambda: errors(triton_mlstm._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, h),
-                                                   want_g))
+                run(f"  fwd, experimental {cfg}", lambda: (triton_mlstm._forward(cfg, *x, *st, 1e-6), want), 1e-2)
+            for cfg in triton_mlstm.backward_candidates(DK, DV, size):
+                run(f"  bwd {cfg}", lambda: (triton_mlstm._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, h), want_g),
+                    5e-2)
+    print(f"{len(FAILED)} config(s) failed" + "".join(f"\n{label}" for label in FAILED))
+    raise SystemExit(1 if FAILED else 0)
 
 
 if __name__ == "__main__":

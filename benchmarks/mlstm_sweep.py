@@ -31,9 +31,9 @@ def sweep(shape, fwd_cfgs, bwd_cfgs):
     default_f, default_b = tm.forward_config, tm.backward_config
     h_ref = tm.forward(None, *x, None, None, None, 1e-6, 64)[0]
     dh = torch.randn_like(h_ref)
-    g_ref = tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h_ref)
+    g_ref = tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h_ref) if bwd_cfgs else None
     for cfg in fwd_cfgs:
-        tm.forward_config = lambda DK, DV, c=cfg: dict(c)
+        tm.forward_config = lambda DK, DV, itemsize=2, c=cfg: dict(c)
         try:
             h = tm.forward(None, *x, None, None, None, 1e-6, 64)[0]
             ms = triton.testing.do_bench(lambda: tm.forward(None, *x, None, None, None, 1e-6, 64), warmup=10, rep=50)
@@ -42,7 +42,7 @@ def sweep(shape, fwd_cfgs, bwd_cfgs):
             print(f"{shape} fwd {cfg}: FAILED {type(e).__name__}: {str(e)[:100]}", flush=True)
     tm.forward_config = default_f
     for cfg in bwd_cfgs:
-        tm.backward_config = lambda DK, DV, c=cfg: dict(c)
+        tm.backward_config = lambda DK, DV, itemsize=2, c=cfg: dict(c)
         try:
             g = tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h_ref)
             ms = triton.testing.do_bench(lambda: tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h_ref),

@@ -45,8 +45,10 @@ SHARED_LIMIT = 232448  # bytes of shared memory per block on sm_90 (227 KiB)
 
 def shared_bytes(cfg: tuple, n_gemms: int, itemsize: int = 2) -> int:
     """Shared memory a config needs: num_stages buffers of the A and B tiles plus one output tile
-    for the epilogue's store. Matches what Triton 3.6 asked for on the H200 within 64 bytes (e.g.
-    262176 for tma 128x256x64 with 4 stages, which does not fit)."""
+    for the epilogue's store. Matches what Triton 3.6 asked for on the H200 within 64 bytes for
+    the TMA kernels (e.g. 262176 for tma 128x256x64 with 4 stages, which does not fit); the ptr
+    kernels ask up to that output tile less (262144 for SMALL_M's first config with two GEMMs),
+    so the estimate errs on the safe side."""
     _, bm, bn, bk, _, _, stages, _ = cfg
     return stages * (bm + n_gemms * bn) * bk * itemsize + bm * bn * itemsize
 
@@ -67,8 +69,7 @@ def candidates(m: int, n_gemms: int, dtype: torch.dtype, n: int | None = None) -
         listed = SMALL_M
     else:
         listed = DUAL if n_gemms > 1 else LARGE
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return [c for c in listed if shared_bytes(c, n_gemms, itemsize) <= SHARED_LIMIT]
+    return [c for c in listed if shared_bytes(c, n_gemms, dtype.itemsize) <= SHARED_LIMIT]
 
 
 _KERNELS: dict = {}

@@ -88,26 +88,54 @@ def _scan_warps(cfg: dict) -> int:
 WIDE_DK = 512  # from this DQK on, the [L, DQK] tiles need the smaller configs below
 
 
-def forward_candidates(DK: int, DV: int) -> list[dict]:
-    """Configs timed once per shape class: chunk length L, DV tile of the output kernel (BV),
-    state tile of the scan (BK x BVS), warps (the scans': _scan_warps) and pipeline stages. The
-    first is the default: the best on the H200 (bf16, Triton 3.6, tuning reports of 2026-11-30)
-    at B8 NH16 S8192 128/128 (1.33-1.35 ms; the others 1.51-1.55) and at the 7B head shape
-    (1.96-1.97 ms; others 2.40-2.44); the runners-up stay: they win at small shapes. DQK 512:
-    L128 x BV128 asks 426 KB of shared memory; L64 x BV64 fits in bf16/fp16 (205 KB), not in
-    fp32 (410 KB), where L32 x BV64 is the candidate that should (the tuner falls through to the
-    first config that runs).
+SHARED_LIMIT = 232448  # bytes of shared memory per block on sm_90 (227 KiB)
 
-    Not offered: the output kernel that walks DQK in 64-wide slices (33-49 KB of shared memory).
+
+def forward_shared_bytes(cfg: dict, DK: int, DV: int, itemsize: int) -> int:
+    """Shared memory of the whole-tile output kernel: q and k [L, DK], the entering state
+    [DK, BV] and v [L, BV] in the input dtype, plus scratch. Within 2 KB of what Triton asked on
+    sm_90: bf16 131584 B at 128/128 L128 x BV128, 205312 B at DQK 512 L64 x BV64; fp32 at DQK 512
+    410 KB (L64 x BV64) and 270 KB (L32 x BV64)."""
+    return itemsize * (2 * cfg["L"] * DK + DK * cfg["BV"] + cfg["L"] * cfg["BV"]) + 2048
+
+
+def _unique(cfgs: list[dict]) -> list[dict]:
+    """Drop configs that _fit made equal (e.g. BVS 128 and 64 at DV 64): each would compile and
+    be timed again."""
+    out = []
+    for c in cfgs:
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def forward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
+    """Configs timed once per shape class: chunk length L, DV tile of the output kernel (BV),
+    state tile of the scan (BK x BVS), warps (the scans': _scan_warps) and pipeline stages, less
+    those whose tiles exceed shared memory for the input's itemsize. The first is the default:
+    the best on the H200 (bf16, Triton 3.6, tuning reports of 2026-11-30) at B8 NH16 S8192
+    128/128 (1.33-1.35 ms; the others 1.51-1.55) and at the 7B head shape (1.96-1.97 ms; others
+    2.40-2.44); the runners-up stay: they win at small shapes. DQK 512: L128 x BV128 asks 426 KB;
+    L64 x BV64 fits in bf16/fp16 (205 KB). fp32 doubles every tile: where none of these fits,
+    smaller configs (not yet run on a GPU) take their place; where none of those fits either,
+    the op runs its reference.
+
+    Not offered: the output kernel that walks DQK in 64-wide slices (32-48 KB of shared memory).
     On the H200 under Triton 3.6 its first version was right at DQK 128 (and the fastest there:
     1.11 against 1.35 ms) but its bf16 outputs were off by 2.5-5.4e-2 at DQK 256 and 512 in some
     configs (the whole-tile kernel: 2.4e-3), while Triton's interpreter agreed to 1e-6. A
     reworked version waits in experimental_forward_configs for its GPU check."""
     if DK >= WIDE_DK:
         base = dict(L=64, BV=64, BK=64, BVS=128, warps=8, stages=2)
-        return [_fit(c, DK, DV) for c in (base, dict(base, L=32, warps=4))]
-    base = dict(L=128, BV=128, BK=64, BVS=128, warps=8, stages=2)
-    return [_fit(c, DK, DV) for c in (base, dict(base, BVS=64), dict(base, L=64))]
+        listed = [base]
+    else:
+        base = dict(L=128, BV=128, BK=64, BVS=128, warps=8, stages=2)
+        listed = [base, dict(base, BVS=64), dict(base, L=64)]
+    def fitting(cfgs):
+        return [c for c in _unique([_fit(c, DK, DV) for c in cfgs])
+                if forward_shared_bytes(c, DK, DV, itemsize) <= SHARED_LIMIT]
+    return fitting(listed) or fitting([dict(base, L=64, BV=64), dict(base, L=32, BV=32, warps=4),
+                                       dict(base, L=16, BV=64, warps=4)])
 
 
 def experimental_forward_configs(DK: int, DV: int) -> list[dict]:
@@ -123,25 +151,41 @@ def experimental_forward_configs(DK: int, DV: int) -> list[dict]:
     return [_fit(c, DK, DV) for c in (base, dict(base, stages=3), dict(base, L=64, warps=4, stages=3))]
 
 
-def backward_candidates(DK: int, DV: int) -> list[dict]:
+_FP32_BWD = dict(BK=64, BVS=128, stages=2)
+# fp32 per-chunk backward kernels that fit sm_90's shared memory at DV 512 (compile report, Triton
+# 3.6, not yet run on a GPU): DQK 256 L32 x BV32 at 8 warps 147 KB, L16 x BV32 at 4 warps 105 KB;
+# DQK 512 L16 x BV32 204 KB. Below DQK 256 the bf16 list fits (128/128 L64 x BV32: 139 KB).
+FP32_BACKWARD = {256: [dict(_FP32_BWD, L=32, BV=32, warps=8), dict(_FP32_BWD, L=16, BV=32, warps=4)],
+                 512: [dict(_FP32_BWD, L=16, BV=32, warps=4)]}
+
+
+def backward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
     """Same keys. Chunk 64, DV tile 32, scan tile 64 x 128 won at both head shapes (5.47 ms
     and 6.53 ms, against 6.2-7.8 and 8.1-10.8 for the other tiles). DQK 512: L64 x BV32 asks
     290 KB of shared memory on the H200 (over the 227 KB limit); L32 x BV64 and L16 x BV64
     fit (checked against the analytic backward on the H200, not yet timed). At 128/128 the
-    4-warp candidate won the latest run (5.21 against 5.52 ms)."""
+    4-warp candidate won the latest run (5.21 against 5.52 ms). fp32: FP32_BACKWARD below."""
+    if itemsize > 2 and DK >= 256:
+        return _unique([_fit(c, DK, DV) for c in FP32_BACKWARD[min(DK, WIDE_DK)]])
     if DK >= WIDE_DK:
         base = dict(L=32, BV=64, BK=64, BVS=128, warps=8, stages=2)
-        return [_fit(c, DK, DV) for c in (base, dict(base, L=16, warps=4))]
+        return _unique([_fit(c, DK, DV) for c in (base, dict(base, L=16, warps=4))])
     base = dict(L=64, BV=32, BK=64, BVS=128, warps=8, stages=2)
-    return [_fit(c, DK, DV) for c in (base, dict(base, warps=4), dict(base, BVS=64, warps=4))]
+    return _unique([_fit(c, DK, DV) for c in (base, dict(base, warps=4), dict(base, BVS=64, warps=4))])
 
 
-def forward_config(DK: int, DV: int) -> dict:
-    return _fit(INTERPRETER_CONFIG, DK, DV) if cache.interpreting() else forward_candidates(DK, DV)[0]
+def forward_config(DK: int, DV: int, itemsize: int = 2) -> dict | None:
+    """The default forward config, or None where none fits shared memory (the op then runs its
+    reference)."""
+    if cache.interpreting():
+        return _fit(INTERPRETER_CONFIG, DK, DV)
+    return next(iter(forward_candidates(DK, DV, itemsize)), None)
 
 
-def backward_config(DK: int, DV: int) -> dict:
-    return _fit(INTERPRETER_CONFIG, DK, DV) if cache.interpreting() else backward_candidates(DK, DV)[0]
+def backward_config(DK: int, DV: int, itemsize: int = 2) -> dict | None:
+    if cache.interpreting():
+        return _fit(INTERPRETER_CONFIG, DK, DV)
+    return next(iter(backward_candidates(DK, DV, itemsize)), None)
 
 
 _CHOSEN: dict = {}
@@ -153,12 +197,13 @@ def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch) -> dict:
     phase) and persisted under XACCEL_CACHE_DIR like the GEMM tuning; without CUDA, the default."""
     B, H, S, DK = q.shape
     DV = v.shape[-1]
-    default = forward_config(DK, DV) if phase == "fwd" else backward_config(DK, DV)
+    size = q.element_size()
+    default = forward_config(DK, DV, size) if phase == "fwd" else backward_config(DK, DV, size)
     if cache.interpreting() or q.device.type != "cuda" or not TUNE:
         return default
     import triton
 
-    cands = forward_candidates(DK, DV) if phase == "fwd" else backward_candidates(DK, DV)
+    cands = forward_candidates(DK, DV, size) if phase == "fwd" else backward_candidates(DK, DV, size)
     key = (f"mlstm_{phase}|{q.dtype}|DK{DK}|DV{DV}|S~{1 << (S - 1).bit_length()}|BH~{1 << (B * H - 1).bit_length()}|"
            f"{torch.cuda.get_device_name(q.device)}|torch{torch.__version__}|triton{triton.__version__}|"
            f"tpl{template_digest()}|tv{cache.TUNING_VERSION}")
@@ -205,10 +250,15 @@ def _fastest(label: str, default: dict, cands: list[dict], launch, timings: list
     return cache.fastest(label, cands, bench, best=ref, timings=timings)
 
 
-def _supported(q, k, v, S) -> bool:
+def _supported(q, k, v, S, phase: str) -> bool:
+    """Dtypes and head dims the templates cover, and a config of this phase that fits shared
+    memory (else the op runs its reference)."""
     DK, DV = q.shape[-1], v.shape[-1]
-    return (q.dtype in DTYPES and DK in HEAD_DIMS and DV in HEAD_DIMS and S > 0
-            and all(t.dtype == q.dtype for t in (k, v)))
+    if not (q.dtype in DTYPES and DK in HEAD_DIMS and DV in HEAD_DIMS and S > 0
+            and all(t.dtype == q.dtype for t in (k, v))):
+        return False
+    default = forward_config if phase == "fwd" else backward_config
+    return default(DK, DV, q.element_size()) is not None
 
 
 def chunk_states(k, v, i, f, C0, n0, m0, cfg):
@@ -242,7 +292,7 @@ def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
     chunk-state scan, then every chunk's output in parallel. chunk_size only shapes the
     reference's evaluation; the kernels pick their own chunk length (results agree to rounding)."""
     S = q.shape[2]
-    if not _supported(q, k, v, S):
+    if not _supported(q, k, v, S, "fwd"):
         return NotImplemented
     q, k, v, i, f = (t.contiguous() for t in (q, k, v, i, f))
     cfg = _tuned("fwd", q, v, lambda c: _forward(c, q, k, v, i, f, C0, n0, m0, eps))
@@ -295,7 +345,7 @@ def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=
     here in torch (a cummax over [B, H, S])."""
     B, H, S, DK = q.shape
     DV = v.shape[-1]
-    if not _supported(q, k, v, S) or dh is None and gC is None:
+    if not _supported(q, k, v, S, "bwd") or dh is None and gC is None:
         return NotImplemented
     dev, f32 = q.device, torch.float32
     q, k, v, i, f = (t.contiguous() for t in (q, k, v, i, f))

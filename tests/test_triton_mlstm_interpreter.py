@@ -103,3 +103,25 @@ def test_every_gpu_tuning_candidate_in_interpreter(tmp_path):
     n = sum(len(triton_mlstm.forward_candidates(*hd)) + len(triton_mlstm.experimental_forward_configs(*hd))
             + len(triton_mlstm.backward_candidates(*hd)) for hd in ((512, 64), (128, 128)))
     assert proc.stdout.count("\n") == n, proc.stdout
+
+
+def test_candidates_fit_shared_memory_per_dtype():
+    """The output kernel's shared-memory estimate reproduces what Triton asked on sm_90 (bf16:
+    131584 B at 128/128 L128 x BV128, 231424 B at 256/512, 205312 B at DQK 512 L64 x BV64), and
+    every head shape keeps a fitting forward and backward config in bf16 and fp32, where fp32
+    (twice the bytes per tile) drops the bf16 defaults that no longer fit."""
+    from torch_xaccel.codegen import triton_mlstm as tm
+
+    fwd = lambda L, BV, DK, DV, size=2: tm.forward_shared_bytes(dict(L=L, BV=BV), DK, DV, size)  # noqa: E731
+    assert abs(fwd(128, 128, 128, 128) - 131584) <= 2048
+    assert abs(fwd(128, 128, 256, 512) - 231424) <= 2048
+    assert abs(fwd(64, 64, 512, 512) - 205312) <= 2048
+    for DK in (64, 128, 256, 512):
+        for DV in (64, 128, 512):
+            for size in (2, 4):
+                f, b = tm.forward_candidates(DK, DV, size), tm.backward_candidates(DK, DV, size)
+                assert f and b, (DK, DV, size)
+                assert all(tm.forward_shared_bytes(c, DK, DV, size) <= tm.SHARED_LIMIT for c in f)
+                assert len({tuple(sorted(c.items())) for c in f}) == len(f)  # no config twice
+    assert tm.forward_candidates(256, 512)[0]["L"] == 128  # the measured bf16 default stays
+    assert tm.forward_candidates(256, 512, 4)[0]["L"] == 64 and tm.forward_candidates(512, 512, 4)[0]["L"] == 32
