@@ -7,12 +7,13 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XACCEL_CACHE_DIR=${XACCEL_CACHE_DIR:-/tmp/xaccel-cache}
-python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || { echo "pip install failed:"; tail -25 "$OUT/pip.log"; }
+# at most 8 files come back from a device call: installs and versions share setup.log
+python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/setup.log" 2>&1 || { echo "pip install failed:"; tail -25 "$OUT/setup.log"; }
 # anchors' pure-Python wheels (xlstm, mlstm-kernels, flashrnn), when the call carries .whl
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >> "$OUT/pip.log" 2>&1 && export PYTHONPATH=/tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >> "$OUT/setup.log" 2>&1 && export PYTHONPATH=/tmp/site
 fi
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.log"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/setup.log"
 run_tests() {
   [ "${SKIP_TESTS:-0}" = 1 ] && return
   python3 -m torch_xaccel.demo 2>&1 | tee "$OUT/demo.log" | tail -4
