@@ -164,7 +164,7 @@ def backward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
     and 6.53 ms, against 6.2-7.8 and 8.1-10.8 for the other tiles). DQK 512: L64 x BV32 asks
     290 KB of shared memory on the H200 (over the 227 KB limit); L32 x BV64 and L16 x BV64
     fit (checked against the analytic backward on the H200, not yet timed). At 128/128 the
-    4-warp candidate won the latest run (5.21 against 5.52 ms). fp32: FP32_BACKWARD below."""
+    4-warp candidate won the latest run (5.21 against 5.52 ms). fp32 from DQK 256: FP32_BACKWARD."""
     if itemsize > 2 and DK >= 256:
         return _unique([_fit(c, DK, DV) for c in FP32_BACKWARD[min(DK, WIDE_DK)]])
     if DK >= WIDE_DK:
