@@ -36,7 +36,7 @@ def report(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int) -
     text = proc.stdout + proc.stderr
     regs = re.findall(r"Used (\d+) registers", text)
     spills = re.findall(r"(\d+) bytes spill stores", text)
-    fits = "" if k.metadata.shared <= 232448 else "  (over the 227 KiB shared-memory limit)"
+    fits = "" if k.metadata.shared <= cache.SHARED_LIMIT else "  (over the 227 KiB shared-memory limit)"
     return f"regs {regs[0] if regs else '?'}  spill stores {spills[0] if spills else '?'} B  shared {k.metadata.shared} B{fits}"
 
 

@@ -15,6 +15,7 @@ from torch_xaccel.config import tuning_enabled
 from torch_xaccel.epilogue_ir import parse
 
 from . import cache
+from .cache import SHARED_LIMIT
 from .render import render_gemm_epilogue, template_digest
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -43,7 +44,6 @@ NARROW_N = [("ptr", 64, 16, 256, 8, 4, 3, 0), ("ptr", 32, 32, 256, 8, 4, 3, 0), 
 NARROW_N_COLS = 64
 FP32 = [("ptr", 128, 128, 32, 8, 8, 3, 0), ("ptr", 64, 128, 32, 8, 4, 4, 0), ("ptr", 64, 64, 32, 8, 4, 4, 0)]
 INTERPRETER = ("ptr", 32, 32, 32, 4, 4, 1, 0)
-SHARED_LIMIT = 232448  # bytes of shared memory per block on sm_90 (227 KiB)
 
 
 def shared_bytes(cfg: tuple, n_gemms: int, itemsize: int = 2) -> int:

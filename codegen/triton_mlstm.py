@@ -11,6 +11,7 @@ output kernel were tried and lost on the H200 (see docs/benchmarks.md)."""
 from __future__ import annotations
 
 import contextvars
+import functools
 import hashlib
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from torch_xaccel.config import tuning_enabled
 
 from . import cache
+from .cache import SHARED_LIMIT
 from .render import _ENV, template_digest
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -86,9 +88,6 @@ def _scan_warps(cfg: dict) -> int:
 
 
 WIDE_DK = 512  # from this DQK on, the [L, DQK] tiles need the smaller configs below
-
-
-SHARED_LIMIT = 232448  # bytes of shared memory per block on sm_90 (227 KiB)
 
 
 def forward_shared_bytes(cfg: dict, DK: int, DV: int, itemsize: int) -> int:
@@ -198,17 +197,17 @@ def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch) -> dict:
     B, H, S, DK = q.shape
     DV = v.shape[-1]
     size = q.element_size()
-    default = forward_config(DK, DV, size) if phase == "fwd" else backward_config(DK, DV, size)
+    config, candidates = (forward_config, forward_candidates) if phase == "fwd" else (backward_config, backward_candidates)
     if cache.interpreting() or q.device.type != "cuda" or not TUNE:
-        return default
+        return config(DK, DV, size)
     import triton
 
-    cands = forward_candidates(DK, DV, size) if phase == "fwd" else backward_candidates(DK, DV, size)
     key = (f"mlstm_{phase}|{q.dtype}|DK{DK}|DV{DV}|S~{1 << (S - 1).bit_length()}|BH~{1 << (B * H - 1).bit_length()}|"
            f"{torch.cuda.get_device_name(q.device)}|torch{torch.__version__}|triton{triton.__version__}|"
            f"tpl{template_digest()}|tv{cache.TUNING_VERSION}")
     if key in _CHOSEN:
         return _CHOSEN[key]
+    default, cands = config(DK, DV, size), candidates(DK, DV, size)  # only on a memo miss
     valid = lambda e: isinstance(e, dict) and e.get("config") in cands  # noqa: E731 - unknown config: retune
     capturing = torch.cuda.is_current_stream_capturing()
     if (capturing or not tuning_enabled()) and not valid(cache.read_entry("tuning", key)):
@@ -257,8 +256,13 @@ def _supported(q, k, v, S, phase: str) -> bool:
     if not (q.dtype in DTYPES and DK in HEAD_DIMS and DV in HEAD_DIMS and S > 0
             and all(t.dtype == q.dtype for t in (k, v))):
         return False
-    default = forward_config if phase == "fwd" else backward_config
-    return default(DK, DV, q.element_size()) is not None
+    return cache.interpreting() or _any_config_fits(phase, DK, DV, q.element_size())
+
+
+@functools.lru_cache(maxsize=None)
+def _any_config_fits(phase: str, DK: int, DV: int, itemsize: int) -> bool:
+    """Decided once per head shape and dtype size (every call of the op asks)."""
+    return bool((forward_candidates if phase == "fwd" else backward_candidates)(DK, DV, itemsize))
 
 
 def chunk_states(k, v, i, f, C0, n0, m0, cfg):
