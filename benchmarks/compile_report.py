@@ -70,8 +70,8 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False,
     for DK, DV in shapes:
         size = dtype.itemsize
         fwd = triton_mlstm.forward_candidates(DK, DV, size)
-        if all_candidates:  # and the sliced kernel's configs that tuning does not offer yet
-            fwd = fwd + triton_mlstm.experimental_forward_configs(DK, DV)
+        if all_candidates:  # and the sliced kernel's neighbours that mlstm_sweep.py --sliced times
+            fwd = triton_mlstm._unique(fwd + triton_mlstm.sliced_sweep_configs(DK, DV))
         phases = (("fwd", fwd), ("bwd", triton_mlstm.backward_candidates(DK, DV, size)))
         for phase, cands in phases:
             for cfg in cands if all_candidates else cands[:1]:

@@ -1,7 +1,7 @@
 """Relative error of every mLSTM tuning candidate (forward outputs h, C, n, m; backward gradients)
 against the fp64 reference / analytic backward, per head shape, dtype and initial state. A
-diagnostic for the GPU: it showed the DK-sliced forward kernel wrong at DQK 256/512 on the H200;
-it also runs that kernel's experimental configs, which tuning does not offer until they pass here.
+diagnostic for the GPU: it showed the first DK-sliced forward kernel wrong at DQK 256/512 on the
+H200, and its reworked version right; it also runs the sliced configs that mlstm_sweep.py --sliced times.
 Bounds as in the GPU tests (1e-2 forward, 5e-2 gradients; dm0 printed, not judged); exit status
 1 if any config fails or does not run.
 
@@ -63,8 +63,8 @@ def main() -> None:
             size = dt.itemsize
             for cfg in triton_mlstm.forward_candidates(DK, DV, size):
                 run(f"  fwd {cfg}", lambda: (triton_mlstm._forward(cfg, *x, *st, 1e-6), want), 1e-2)
-            for cfg in triton_mlstm.experimental_forward_configs(DK, DV):  # not offered to tuning yet
-                run(f"  fwd, experimental {cfg}", lambda: (triton_mlstm._forward(cfg, *x, *st, 1e-6), want), 1e-2)
+            for cfg in triton_mlstm.sliced_sweep_configs(DK, DV):  # what mlstm_sweep.py --sliced times
+                run(f"  fwd, sliced sweep {cfg}", lambda: (triton_mlstm._forward(cfg, *x, *st, 1e-6), want), 1e-2)
             for cfg in triton_mlstm.backward_candidates(DK, DV, size):
                 run(f"  bwd {cfg}", lambda: (triton_mlstm._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, h), want_g),
                     5e-2)

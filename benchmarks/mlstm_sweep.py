@@ -1,7 +1,7 @@
 """Time the generated mLSTM kernels over tile configurations on the GPU (bf16), to pick the
 defaults in codegen/triton_mlstm.py:
 
-    python benchmarks/mlstm_sweep.py [--quick] [--experimental]
+    python benchmarks/mlstm_sweep.py [--quick] [--sliced]
 
 Each line: shape, phase, config, median ms, and the relative error of h (forward) or dq
 (backward) against the default config, so a config that breaks the math cannot win.
@@ -75,8 +75,9 @@ def main():
     tm.TUNE = False
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--experimental", action="store_true",
-                    help="only the default forward against the sliced kernel's configs (tm.experimental_forward_configs)")
+    ap.add_argument("--sliced", action="store_true",
+                    help="only the forward: the whole-tile kernel's first config and the sliced kernel's neighbours"
+                         " (tm.sliced_sweep_configs)")
     args = ap.parse_args()
     print("defaults:", {s: (tm.forward_config(s[3], s[4]), tm.backward_config(s[3], s[4])) for s in SHAPES})
     for shape in SHAPES:
@@ -88,8 +89,10 @@ def main():
                dict(base_b, warps=4)]
         if args.quick:
             fwd, bwd = fwd[:4], bwd[:2]
-        if args.experimental:
-            sweep(shape, [base_f] + tm.experimental_forward_configs(DK, DV), [])
+        if args.sliced:
+            whole = [c for c in tm.forward_candidates(DK, DV) if not c.get("BKQ")][:1]
+            sweep(shape, whole + tm.sliced_sweep_configs(DK, DV), [])
+            profile(shape)
             continue
         profile(shape)
         sweep(shape, fwd, bwd)

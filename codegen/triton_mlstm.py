@@ -90,11 +90,24 @@ def _scan_warps(cfg: dict) -> int:
 WIDE_DK = 512  # from this DQK on, the [L, DQK] tiles need the smaller configs below
 
 
+SLICED = dict(L=64, BV=128, BK=64, BVS=128, warps=4, stages=3, BKQ=64)
+# the output kernel that walks DQK in BKQ-wide slices, with q.n in its own unpipelined loop (the
+# first version had it inside the dot loop and was wrong in bf16 at DQK 256/512 on the H200, off
+# by 2.5-5.4e-2, while the interpreter agreed to 1e-6; suspect triton-lang/triton#6691). This
+# version matched the fp64 reference on the H200 at DQK 256 and 512 (bf16 h 2.3-2.4e-3, the
+# whole-tile kernel's figure) and was the fastest forward: 1.116 against 1.334 ms at B8 NH16
+# S8192 128/128, 1.822 against 1.961 ms at the 7B head shape (Triton 3.6, 2026-11-30).
+
+
 def forward_shared_bytes(cfg: dict, DK: int, DV: int, itemsize: int) -> int:
-    """Shared memory of the whole-tile output kernel: q and k [L, DK], the entering state
-    [DK, BV] and v [L, BV] in the input dtype, plus scratch. Within 2 KB of what Triton asked on
-    sm_90: bf16 131584 B at 128/128 L128 x BV128, 205312 B at DQK 512 L64 x BV64; fp32 at DQK 512
-    410 KB (L64 x BV64) and 270 KB (L32 x BV64)."""
+    """Shared memory of the output kernel. Whole-tile: q and k [L, DK], the entering state
+    [DK, BV] and v [L, BV] in the input dtype, plus scratch; within 2 KB of what Triton asked on
+    sm_90: bf16 131584 B at 128/128 L128 x BV128, 205312 B at DQK 512 L64 x BV64; fp32 at DQK
+    512 410 KB (L64 x BV64) and 270 KB (L32 x BV64). Sliced (BKQ): q and k [L, BKQ] and the state
+    slice [BKQ, BV], whatever the stages; bf16 sm_90 figures: 32768 B at L64 x BKQ64 x BV128,
+    49152 at L128, 65536 at BKQ128, 24576 at BV64 (20480 asked at L32: the estimate is safe)."""
+    if cfg.get("BKQ"):
+        return itemsize * (2 * cfg["L"] * cfg["BKQ"] + cfg["BKQ"] * cfg["BV"]) + 2048
     return itemsize * (2 * cfg["L"] * DK + DK * cfg["BV"] + cfg["L"] * cfg["BV"]) + 2048
 
 
@@ -110,44 +123,36 @@ def _unique(cfgs: list[dict]) -> list[dict]:
 
 def forward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
     """Configs timed once per shape class: chunk length L, DV tile of the output kernel (BV),
-    state tile of the scan (BK x BVS), warps (the scans': _scan_warps) and pipeline stages, less
-    those whose tiles exceed shared memory for the input's itemsize. The first is the default:
-    the best on the H200 (bf16, Triton 3.6, tuning reports of 2026-11-30) at B8 NH16 S8192
-    128/128 (1.33-1.35 ms; the others 1.51-1.55) and at the 7B head shape (1.96-1.97 ms; others
-    2.40-2.44); the runners-up stay: they win at small shapes. DQK 512: L128 x BV128 asks 426 KB;
-    L64 x BV64 fits in bf16/fp16 (205 KB). fp32 doubles every tile: where none of these fits,
-    smaller configs (not yet run on a GPU) take their place; where none of those fits either,
-    the op runs its reference.
-
-    Not offered: the output kernel that walks DQK in 64-wide slices (32-48 KB of shared memory).
-    On the H200 under Triton 3.6 its first version was right at DQK 128 (and the fastest there:
-    1.11 against 1.35 ms) but its bf16 outputs were off by 2.5-5.4e-2 at DQK 256 and 512 in some
-    configs (the whole-tile kernel: 2.4e-3), while Triton's interpreter agreed to 1e-6. A
-    reworked version waits in experimental_forward_configs for its GPU check."""
+    DQK slice of the output kernel (BKQ, the SLICED kernel; absent: whole DQK tiles), state tile
+    of the scan (BK x BVS), warps (the scans': _scan_warps) and pipeline stages, less those whose
+    tiles exceed shared memory for the input's itemsize. The first is the default: below DQK 512
+    the sliced kernel (the fastest at both benchmark shapes, see SLICED; at 2 stages 1.094 ms at
+    128/128, 1.850 at 256/512; 4 stages, 8 warps, BV64, BKQ 32/128, L32/128 were slower:
+    1.16-2.38 ms); the whole-tile runners-up stay (they won at small shapes; 1.33 ms at 128/128
+    and 1.96 ms at 256/512 for the first; the scan tile BVS 64 lost everywhere). DQK 512: whole-tile L128 x BV128 asks 426 KB; L64 x BV64 fits in
+    bf16/fp16 (205 KB) and stays the default until the sliced one is timed there. fp32 doubles
+    every tile: where none of these fits, smaller configs take their place; where none of those
+    fits either, the op runs its reference."""
+    whole = dict(L=128, BV=128, BK=64, BVS=128, warps=8, stages=2)
     if DK >= WIDE_DK:
-        base = dict(L=64, BV=64, BK=64, BVS=128, warps=8, stages=2)
-        listed = [base]
+        whole = dict(whole, L=64, BV=64)
+        listed = [whole, SLICED, dict(SLICED, warps=8, stages=2)]
     else:
-        base = dict(L=128, BV=128, BK=64, BVS=128, warps=8, stages=2)
-        listed = [base, dict(base, BVS=64), dict(base, L=64)]
+        listed = [SLICED, dict(SLICED, stages=2), whole, dict(whole, L=64)]
+
     def fitting(cfgs):
         return [c for c in _unique([_fit(c, DK, DV) for c in cfgs])
                 if forward_shared_bytes(c, DK, DV, itemsize) <= SHARED_LIMIT]
-    return fitting(listed) or fitting([dict(base, L=64, BV=64), dict(base, L=32, BV=32, warps=4),
-                                       dict(base, L=16, BV=64, warps=4)])
+    return fitting(listed) or fitting([dict(whole, L=64, BV=64), dict(whole, L=32, BV=32, warps=4),
+                                       dict(whole, L=16, BV=64, warps=4)])
 
 
-def experimental_forward_configs(DK: int, DV: int) -> list[dict]:
-    """Configs of the sliced output kernel (BKQ: DK walked in slices; q.n in its own unpipelined
-    loop, see the template), NOT offered to tuning: its first version was wrong in bf16 on the
-    H200 at DQK 256/512 and right, and the fastest, at DQK 128 (1.11 against 1.35 ms at B8 NH16
-    S8192). This version moves q.n out of the dot loop (the suspect: triton-lang/triton#6691;
-    the sm_90 code of the old version showed no pipelining and no missing barrier, so the cause
-    is not confirmed). `benchmarks/mlstm_candidate_errors.py` and `mlstm_sweep.py --experimental`
-    check and time it on the GPU; only then may it join forward_candidates."""
-    L = 64 if DK >= WIDE_DK else 128
-    base = dict(L=L, BV=128, BK=64, BVS=128, warps=8, stages=2, BKQ=64)
-    return [_fit(c, DK, DV) for c in (base, dict(base, stages=3), dict(base, L=64, warps=4, stages=3))]
+def sliced_sweep_configs(DK: int, DV: int) -> list[dict]:
+    """Neighbours of SLICED for benchmarks/mlstm_sweep.py --sliced (stages, warps, tiles)."""
+    s = SLICED
+    return _unique([_fit(c, DK, DV) for c in (s, dict(s, stages=2), dict(s, stages=4), dict(s, warps=8),
+                                               dict(s, BV=64), dict(s, BKQ=128), dict(s, BKQ=32), dict(s, L=32),
+                                               dict(s, L=128, warps=8, stages=2))])
 
 
 _FP32_BWD = dict(BK=64, BVS=128, stages=2)
@@ -312,7 +317,7 @@ def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps):
     NC = -(-S // L)
     args = (q, k, v, i, f, h, Cs, ns, ms, S, NC, DK ** -0.5, eps)
     meta = dict(DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=cfg["warps"], num_stages=cfg["stages"])
-    if cfg.get("BKQ"):  # the sliced output kernel (experimental_forward_configs)
+    if cfg.get("BKQ"):  # the sliced output kernel (SLICED)
         meta["BKQ"] = cfg["BKQ"]
     _launch(_kernel("mlstm_fwd.py.jinja", q.dtype, k_loop=bool(cfg.get("BKQ"))), (B * H, NC, DV // cfg["BV"]), *args,
             **meta)

@@ -76,7 +76,7 @@ CANDIDATES_SCRIPT = textwrap.dedent("""
         want = mlstm.reference(*(t.double() for t in x + st))
         cots = [torch.randn(B, H, S, DV), torch.randn(B, H, DK, DV), torch.randn(B, H, DK), torch.randn(B, H)]
         want_g = analytic(*(c.double() for c in cots), *(t.double() for t in x + st), chunk_size=64)
-        for cfg in triton_mlstm.forward_candidates(DK, DV) + triton_mlstm.experimental_forward_configs(DK, DV):
+        for cfg in triton_mlstm._unique(triton_mlstm.forward_candidates(DK, DV) + triton_mlstm.sliced_sweep_configs(DK, DV)):
             got = triton_mlstm._forward(cfg, *x, *st, 1e-6)
             errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want)]
             print("fwd", DK, DV, cfg, " ".join(f"{e:.1e}" for e in errs))
@@ -92,7 +92,7 @@ CANDIDATES_SCRIPT = textwrap.dedent("""
 
 def test_every_gpu_tuning_candidate_in_interpreter(tmp_path):
     """The GPU's own tile configs (chunk 16-128, DQK 512's smaller ones included, and the sliced
-    forward kernel's experimental ones), whose logic the default interpreter config does not
+    forward kernel's neighbours that benchmarks/mlstm_sweep.py --sliced times), whose logic the default interpreter config does not
     exercise, against the reference in float32; whether they
     fit the GPU is benchmarks/compile_report.py's and the `-m gpu` tests' business."""
     env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(tmp_path))
@@ -100,14 +100,15 @@ def test_every_gpu_tuning_candidate_in_interpreter(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     from torch_xaccel.codegen import triton_mlstm
 
-    n = sum(len(triton_mlstm.forward_candidates(*hd)) + len(triton_mlstm.experimental_forward_configs(*hd))
+    n = sum(len(triton_mlstm._unique(triton_mlstm.forward_candidates(*hd) + triton_mlstm.sliced_sweep_configs(*hd)))
             + len(triton_mlstm.backward_candidates(*hd)) for hd in ((512, 64), (128, 128)))
     assert proc.stdout.count("\n") == n, proc.stdout
 
 
 def test_candidates_fit_shared_memory_per_dtype():
     """The output kernel's shared-memory estimate reproduces what Triton asked on sm_90 (bf16:
-    131584 B at 128/128 L128 x BV128, 231424 B at 256/512, 205312 B at DQK 512 L64 x BV64), and
+    131584 B at 128/128 L128 x BV128, 231424 B at 256/512, 205312 B at DQK 512 L64 x BV64; the
+    sliced kernel's 16-64 KB), and
     every head shape keeps a fitting forward and backward config in bf16 and fp32, where fp32
     (twice the bytes per tile) drops the bf16 defaults that no longer fit."""
     from torch_xaccel.codegen import triton_mlstm as tm
@@ -123,5 +124,11 @@ def test_candidates_fit_shared_memory_per_dtype():
                 assert f and b, (DK, DV, size)
                 assert all(tm.forward_shared_bytes(c, DK, DV, size) <= tm.SHARED_LIMIT for c in f)
                 assert len({tuple(sorted(c.items())) for c in f}) == len(f)  # no config twice
-    assert tm.forward_candidates(256, 512)[0]["L"] == 128  # the measured bf16 default stays
-    assert tm.forward_candidates(256, 512, 4)[0]["L"] == 64 and tm.forward_candidates(512, 512, 4)[0]["L"] == 32
+    sliced = lambda L, BKQ, BV, size=2: tm.forward_shared_bytes(dict(L=L, BKQ=BKQ, BV=BV), 512, 512, size)  # noqa: E731
+    assert all(abs(sliced(*t) - want) <= 2048 for t, want in [((64, 64, 128), 32768), ((128, 64, 128), 49152),
+                                                           ((64, 128, 128), 65536), ((64, 64, 64), 24576)])
+    assert sliced(32, 64, 128) >= 20480  # safe side where Triton asked less
+    assert tm.forward_candidates(256, 512)[0] == tm.SLICED  # the measured bf16 default
+    assert tm.forward_candidates(512, 512)[0] == dict(L=64, BV=64, BK=64, BVS=128, warps=8, stages=2)
+    # fp32 at DQK 512: only the sliced kernel's tiles fit
+    assert all(c.get("BKQ") for c in tm.forward_candidates(512, 512, 4))
