@@ -17,6 +17,7 @@ import torch
 from . import config as _config
 from . import ops  # noqa: F401  (registers torch.ops.xaccel.*)
 from .errors import XaccelFallbackWarning
+from .modes import CUDAGRAPHS, rest_options, warn_inductor_only
 from .report import Fallback, new_graph_report, publish
 from .substitutions import register as _register_substitutions
 
@@ -38,16 +39,22 @@ def _direct_calls(g: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return g
 
 
-def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str):
-    """Run the lowered graph: through Inductor, or eagerly. Eagerly with grad mode off (Dynamo
-    guards on it and recompiles when it changes), the ATen graph runs as it is: without autograd
-    aot_autograd adds nothing but a second trace of the whole graph
+def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str, patches: dict):
+    """Run the lowered graph: through Inductor (with torch.compile's mode/options as config
+    patches), or eagerly. Eagerly under CUDA graphs when the mode asks for them (torch's CUDA graph
+    trees, as its `cudagraphs` backend: they skip graphs with CPU tensors and say why). Eagerly
+    with grad mode off (Dynamo guards on it and recompiles when it changes), the ATen graph runs
+    as it is: without autograd aot_autograd adds nothing but a second trace of the whole graph
     (about 1 s of the 8 s first call of the 7B-width xLSTMLarge prefill on this project's CPU
     machine) and a per-call wrapper."""
     if fallback == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs)
+        return compile_fx(gm, example_inputs, config_patches=patches)
+    if patches.get(CUDAGRAPHS):
+        from torch._dynamo.backends.cudagraphs import cudagraphs
+
+        return cudagraphs(gm, example_inputs)
     if not torch.is_grad_enabled():  # (grad mode on: xaccel ops called directly would drop their backward)
         return _direct_calls(gm).forward
     from functorch.compile import make_boxed_func
@@ -59,11 +66,16 @@ def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str):
     return aot_autograd(fw_compiler=run_eagerly, bw_compiler=run_eagerly)(gm, example_inputs)
 
 
-def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **_options):
+def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **options):
+    """torch.compile(..., backend="xaccel"[, mode=..., options=...]); see modes.py for the mode."""
     _register_substitutions()  # a library imported after the backend loaded: its next trace
     cfg = _config.load()
+    patches = rest_options(options)  # an unknown mode or option raises, like an invalid XACCEL_* value
+    if cfg.fallback == "eager":
+        warn_inductor_only(patches)
     report = new_graph_report()
     report.fallback_backend, report.patterns = cfg.fallback, tuple(sorted(cfg.patterns))
+    report.mode = options.get("mode") or "default"
     try:
         if cfg.disable:
             report.disabled = True
@@ -80,8 +92,10 @@ def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **_options):
             report.eager_pointwise = _pointwise_ops(lowered)
         if not report.replacements:
             # nothing of ours in the graph: hand the original to the fallback untouched
-            return gm.forward if cfg.fallback == "eager" else _compile_rest(gm, example_inputs, cfg.fallback)
-        return _compile_rest(lowered, example_inputs, cfg.fallback)
+            if cfg.fallback == "eager" and not patches.get(CUDAGRAPHS):
+                return gm.forward
+            return _compile_rest(gm, example_inputs, cfg.fallback, patches)
+        return _compile_rest(lowered, example_inputs, cfg.fallback, patches)
     except Exception as e:  # noqa: BLE001 - the contract: never fail a compile because of xaccel
         report.replacements.clear()
         report.fallbacks.append(Fallback("backend", f"{type(e).__name__}: {e}; ran the captured graph unmodified"))

@@ -2,7 +2,8 @@
 
 
 class XaccelConfigError(ValueError):
-    """An XACCEL_* environment variable holds a value the backend does not accept."""
+    """An XACCEL_* environment variable, or torch.compile's mode= / options=, holds a value the
+    backend does not accept."""
 
 
 class XaccelFallbackWarning(UserWarning):

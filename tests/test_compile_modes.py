@@ -1,0 +1,90 @@
+"""torch.compile's mode= and options= reach the xaccel backend (modes.py): known modes become the
+rest's settings, unknown ones raise, Inductor-only settings under the eager fallback warn."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torch_xaccel.errors import XaccelConfigError
+from torch_xaccel.report import Report, collect
+
+
+def fn(x, w, b):
+    return F.gelu(F.linear(x, w, b)) + x[:, :1]
+
+
+def _compile_and_check(**kwargs):
+    x, w, b = torch.randn(16, 8), torch.randn(12, 8), torch.randn(12)
+    torch._dynamo.reset()
+    with collect() as graphs:
+        out = torch.compile(fn, backend="xaccel", **kwargs)(x, w, b)
+    torch.testing.assert_close(out, fn(x, w, b), rtol=1e-5, atol=1e-6)
+    return Report(graphs=graphs)
+
+
+def test_reduce_overhead_runs_the_eager_rest_through_cuda_graph_trees():
+    """On CPU the graph trees refuse (CPU tensors) and say so: the count of refusals proves the
+    lowered graph went their way; the result still matches and the op is still replaced."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    report = _compile_and_check(mode="reduce-overhead")
+    assert report.counts()["gemm_epilogue"] == 1
+    assert counters["inductor"]["cudagraph_skips"] >= 1
+    assert report.graphs[0].mode == "reduce-overhead" and "mode=reduce-overhead" in str(report)
+
+
+def test_default_mode_adds_nothing():
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    report = _compile_and_check()
+    assert report.graphs[0].mode == "default" and "mode=" not in str(report)
+    assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+def test_inductor_only_settings_under_the_eager_fallback_warn():
+    with pytest.warns(UserWarning, match="max_autotune.*only apply to Inductor"):
+        _compile_and_check(mode="max-autotune-no-cudagraphs")
+
+
+def test_options_reach_inductor_under_the_inductor_fallback(xaccel_env, monkeypatch):
+    """With XACCEL_FALLBACK=inductor the patches go to compile_fx as they are."""
+    import torch._inductor.compile_fx as cfx
+
+    seen = []
+    real = cfx.compile_fx
+
+    def spy(gm, inputs, *args, config_patches=None, **kw):
+        seen.append(dict(config_patches or {}))
+        return real(gm, inputs, *args, config_patches=config_patches, **kw)
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    xaccel_env(XACCEL_FALLBACK="inductor")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing is ignored here
+        _compile_and_check(options={"epilogue_fusion": False})
+    assert seen and seen[0] == {"epilogue_fusion": False}
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(mode="fastest"), "unknown mode='fastest'"),
+    (dict(options={"no_such_knob": True}), "unknown option 'no_such_knob'"),
+])
+def test_unknown_mode_or_option_raises(kwargs, match):
+    from torch_xaccel.modes import rest_options
+
+    with pytest.raises(XaccelConfigError, match=match):
+        rest_options(kwargs)
+    with pytest.raises(Exception, match=match):  # through torch.compile the same message reaches the user
+        _compile_and_check(**kwargs)
+
+
+def test_modes_known_to_inductor_are_accepted():
+    from torch._inductor import list_mode_options
+
+    from torch_xaccel.modes import CUDAGRAPHS, rest_options
+
+    for mode in list_mode_options():
+        assert rest_options(dict(mode=mode)) == list_mode_options(mode)
+    assert rest_options(dict(mode="reduce-overhead"))[CUDAGRAPHS] is True
