@@ -88,3 +88,32 @@ def test_modes_known_to_inductor_are_accepted():
     for mode in list_mode_options():
         assert rest_options(dict(mode=mode)) == list_mode_options(mode)
     assert rest_options(dict(mode="reduce-overhead"))[CUDAGRAPHS] is True
+
+
+def test_graphed_rest_keeps_parameters_static():
+    """Under reduce-overhead without autograd, the inputs the graph trees keep in place are the
+    module's parameters (Dynamo's marks on them), not only the lifted arguments: torch's own
+    cudagraphs backend copied every weight on each replay. Checked through the index helper while
+    a module compiles (on CPU the trees themselves skip)."""
+    from torch_xaccel import graphed_rest
+
+    seen = []
+    real = graphed_rest.static_inputs
+
+    def spy(example_inputs, n_aot):
+        seen.append((real(example_inputs, n_aot), n_aot, list(example_inputs)))
+        return seen[-1][0]
+    lin = torch.nn.Linear(8, 12)
+    torch._dynamo.reset()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(graphed_rest, "static_inputs", spy)
+        x = torch.randn(16, 8)
+        with torch.no_grad():
+            out = torch.compile(lambda x: F.gelu(lin(x)) + 1, backend="xaccel", mode="reduce-overhead")(x)
+            torch.testing.assert_close(out, F.gelu(lin(x)) + 1, rtol=1e-5, atol=1e-6)
+    assert seen, "the graphed inference path was not taken"
+    static, n_aot, inputs = seen[0]
+    lifted = n_aot - len(inputs)
+    kept = [inputs[i - lifted] for i in static if i >= lifted]
+    assert len(kept) == 2 and {id(t) for t in kept} == {id(lin.weight), id(lin.bias)}  # x is copied in, not kept
+    assert static == list(range(lifted)) + sorted(i for i in static if i >= lifted)

@@ -211,6 +211,9 @@ def test_xlstm_large_decode_under_reduce_overhead_equal_to_eager(monkeypatch, fa
             assert rel_err(g, w) <= 1e-4
     if fallback == "eager":
         assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+        # the weights stay in place (graphed_rest.py): per recording only the token and the 6
+        # state tensors are copied in (torch's cudagraphs backend copied all 40 inputs)
+        assert counters["inductor"]["cudagraph_recorded_non_static_inputs"] <= 14, dict(counters["inductor"])
     print("cudagraph skips", fallback, dict(counters["inductor"]))
 
 

@@ -42,7 +42,8 @@ def _direct_calls(g: torch.fx.GraphModule) -> torch.fx.GraphModule:
 def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str, patches: dict):
     """Run the lowered graph: through Inductor (with torch.compile's mode/options as config
     patches), or eagerly. Eagerly under CUDA graphs when the mode asks for them (torch's CUDA graph
-    trees, as its `cudagraphs` backend: they skip graphs with CPU tensors and say why). Eagerly
+    trees, with parameters kept in place: graphed_rest.py; they skip graphs with CPU tensors and
+    say why). Eagerly
     with grad mode off (Dynamo guards on it and recompiles when it changes), the ATen graph runs
     as it is: without autograd aot_autograd adds nothing but a second trace of the whole graph
     (about 1 s of the 8 s first call of the 7B-width xLSTMLarge prefill on this project's CPU
@@ -52,9 +53,9 @@ def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str, patch
 
         return compile_fx(gm, example_inputs, config_patches=patches)
     if patches.get(CUDAGRAPHS):
-        from torch._dynamo.backends.cudagraphs import cudagraphs
+        from .graphed_rest import compile_graphed
 
-        return cudagraphs(gm, example_inputs)
+        return compile_graphed(gm, example_inputs)
     if not torch.is_grad_enabled():  # (grad mode on: xaccel ops called directly would drop their backward)
         return _direct_calls(gm).forward
     from functorch.compile import make_boxed_func
