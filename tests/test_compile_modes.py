@@ -117,3 +117,25 @@ def test_graphed_rest_keeps_parameters_static():
     kept = [inputs[i - lifted] for i in static if i >= lifted]
     assert len(kept) == 2 and {id(t) for t in kept} == {id(lin.weight), id(lin.bias)}  # x is copied in, not kept
     assert static == list(range(lifted)) + sorted(i for i in static if i >= lifted)
+
+
+def test_inductor_rest_sees_the_parameters_as_static(xaccel_env, monkeypatch):
+    """The lowered graph carries Dynamo's metadata (backend._carry_dynamo_metadata), so Inductor
+    keeps a module's weights in place under CUDA graphs, as it does without xaccel (on the
+    lowered graph alone it found no static input and would copy every weight on each replay)."""
+    import torch._inductor.compile_fx as cfx
+
+    if not hasattr(cfx, "get_static_input_idxs"):
+        pytest.skip("this torch has no get_static_input_idxs")
+    seen = []
+    real = cfx.get_static_input_idxs
+    monkeypatch.setattr(cfx, "get_static_input_idxs", lambda n: seen.append(real(n)) or seen[-1])
+    xaccel_env(XACCEL_FALLBACK="inductor")
+    lin = torch.nn.Linear(8, 12)
+    x = torch.randn(16, 8)
+    torch._dynamo.reset()
+    with torch.no_grad(), collect() as graphs:
+        out = torch.compile(lambda x: F.gelu(lin(x)) + 1, backend="xaccel", mode="reduce-overhead")(x)
+    torch.testing.assert_close(out, F.gelu(lin(x)) + 1, rtol=1e-5, atol=1e-6)
+    assert Report(graphs=graphs).counts()["gemm_epilogue"] == 1
+    assert seen and len(seen[0]) == 2, seen  # weight and bias

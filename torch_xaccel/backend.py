@@ -39,6 +39,28 @@ def _direct_calls(g: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return g
 
 
+def _carry_dynamo_metadata(dynamo_gm: torch.fx.GraphModule, lowered: torch.fx.GraphModule) -> None:
+    """Give the lowered graph the Dynamo metadata that aot_autograd reads to find static inputs
+    (the compile id, each placeholder's source and tensor marks): without it Inductor's CUDA
+    graphs (mode="reduce-overhead" with XACCEL_FALLBACK=inductor) treat a module's parameters as
+    ordinary inputs and copy every weight into the graph's buffers on each replay. Carried only
+    when the graphs have matching placeholders and the lowered one holds no parameters or buffers
+    of its own (aot_autograd needs a Dynamo source for each)."""
+    old = list(dynamo_gm.graph.find_nodes(op="placeholder"))
+    new = list(lowered.graph.find_nodes(op="placeholder"))
+    owned = [*lowered.named_parameters(remove_duplicate=False), *lowered.named_buffers(remove_duplicate=False)]
+    if "dynamo_compile_id" not in dynamo_gm.meta or len(old) != len(new) or owned:
+        return
+    for o, n in zip(old, new):
+        if hasattr(o, "_dynamo_source"):
+            n._dynamo_source = o._dynamo_source
+        if "tensor_dict" in o.meta:
+            n.meta["tensor_dict"] = o.meta["tensor_dict"]
+    if hasattr(dynamo_gm, "_param_name_to_source"):
+        lowered._param_name_to_source = dynamo_gm._param_name_to_source
+    lowered.meta["dynamo_compile_id"] = dynamo_gm.meta["dynamo_compile_id"]
+
+
 def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str, patches: dict):
     """Run the lowered graph: through Inductor (with torch.compile's mode/options as config
     patches), or eagerly. Eagerly under CUDA graphs when the mode asks for them (torch's CUDA graph
@@ -96,6 +118,7 @@ def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **options):
             if cfg.fallback == "eager" and not patches.get(CUDAGRAPHS):
                 return gm.forward
             return _compile_rest(gm, example_inputs, cfg.fallback, patches)
+        _carry_dynamo_metadata(gm, lowered)
         return _compile_rest(lowered, example_inputs, cfg.fallback, patches)
     except Exception as e:  # noqa: BLE001 - the contract: never fail a compile because of xaccel
         report.replacements.clear()
