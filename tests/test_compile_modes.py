@@ -29,10 +29,12 @@ def test_reduce_overhead_runs_the_eager_rest_through_cuda_graph_trees():
     from torch._dynamo.utils import counters
 
     counters.clear()
-    report = _compile_and_check(mode="reduce-overhead")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # e.g. "static-parameter CUDA graphs unavailable"
+        report = _compile_and_check(mode="reduce-overhead")
     assert report.counts()["gemm_epilogue"] == 1
     assert counters["inductor"]["cudagraph_skips"] >= 1
-    assert report.graphs[0].mode == "reduce-overhead" and "mode=reduce-overhead" in str(report)
+    assert "mode=reduce-overhead: the rest of the graph eagerly under CUDA graphs" in str(report)
 
 
 def test_default_mode_adds_nothing():
@@ -40,8 +42,19 @@ def test_default_mode_adds_nothing():
 
     counters.clear()
     report = _compile_and_check()
-    assert report.graphs[0].mode == "default" and "mode=" not in str(report)
+    assert report.graphs[0].settings == "" and "mode=" not in str(report)
     assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+def test_settings_line_only_where_the_settings_apply(xaccel_env):
+    """XACCEL_DISABLE=1 runs the captured graph as is: no settings line; Inductor-only settings
+    under the eager rest are reported as ignored."""
+    with pytest.warns(UserWarning):
+        report = _compile_and_check(mode="max-autotune-no-cudagraphs")
+    assert "mode=max-autotune-no-cudagraphs: ignored" in str(report)
+    xaccel_env(XACCEL_DISABLE="1")
+    report = _compile_and_check(mode="reduce-overhead")
+    assert report.graphs[0].disabled and report.graphs[0].settings == "" and "mode=" not in str(report)
 
 
 def test_inductor_only_settings_under_the_eager_fallback_warn():
@@ -67,9 +80,21 @@ def test_options_reach_inductor_under_the_inductor_fallback(xaccel_env, monkeypa
     assert seen and seen[0] == {"epilogue_fusion": False}
 
 
+def test_static_inputs_without_aot_metadata_are_the_marked_tensors():
+    """Outside a trace (no aot_autograd list) the tensors Dynamo marked, or parameters, are kept;
+    indices count aot_autograd's lifted arguments first."""
+    from torch_xaccel.graphed_rest import static_inputs
+
+    p, x, b = torch.nn.Parameter(torch.randn(3)), torch.randn(3), torch.randn(3)
+    b._dynamo_static_input_type = "unguarded"
+    assert static_inputs([x, p, 4, b], 4) == [1, 3]
+    assert static_inputs([x, p], 3) == [0, 2]  # one lifted argument in front
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(mode="fastest"), "unknown mode='fastest'"),
     (dict(options={"no_such_knob": True}), "unknown option 'no_such_knob'"),
+    (dict(options={"max_autotune": "yes"}), "option 'max_autotune' takes a bool, got str"),
 ])
 def test_unknown_mode_or_option_raises(kwargs, match):
     from torch_xaccel.modes import rest_options

@@ -128,6 +128,10 @@ def test_candidates_fit_shared_memory_per_dtype():
     assert all(abs(sliced(*t) - want) <= 2048 for t, want in [((64, 64, 128), 32768), ((128, 64, 128), 49152),
                                                            ((64, 128, 128), 65536), ((64, 64, 64), 24576)])
     assert sliced(32, 64, 128) >= 20480  # safe side where Triton asked less
+    # fp32: Triton 3.9 asked 131072 B at 3 stages (196608 with TF32) and 262144 at 4 stages or BKQ128
+    fp32 = lambda **kw: tm.forward_shared_bytes(dict(tm.SLICED, **kw), 512, 512, 4)  # noqa: E731
+    assert fp32() >= 196608 and fp32(stages=4) >= 262144 and fp32(BKQ=128) >= 262144
+    assert fp32(stages=4) > tm.SHARED_LIMIT and fp32() <= tm.SHARED_LIMIT
     assert tm.forward_candidates(256, 512)[0] == tm.SLICED  # the measured bf16 default
     assert tm.forward_candidates(512, 512)[0] == dict(L=64, BV=64, BK=64, BVS=128, warps=8, stages=2)
     # fp32 at DQK 512: only the sliced kernel's tiles fit

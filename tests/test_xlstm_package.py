@@ -205,7 +205,7 @@ def test_xlstm_large_decode_under_reduce_overhead_equal_to_eager(monkeypatch, fa
             want, want_state = model(steps[:, t:t + 1], clone(want_state))
             got, got_state = fn(steps[:, t:t + 1], clone(got_state))
             assert rel_err(got, want) <= 1e-4, t
-            assert torch_xaccel.last_report(1).counts()["mlstm_step"] == 2
+    assert torch_xaccel.last_report(1).counts()["mlstm_step"] == 2
     for b in want_state:
         for g, w in zip(got_state[b], want_state[b]):
             assert rel_err(g, w) <= 1e-4

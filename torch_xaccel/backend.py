@@ -17,7 +17,7 @@ import torch
 from . import config as _config
 from . import ops  # noqa: F401  (registers torch.ops.xaccel.*)
 from .errors import XaccelFallbackWarning
-from .modes import CUDAGRAPHS, rest_options, warn_inductor_only
+from .modes import CUDAGRAPHS, describe, rest_options, warn_inductor_only
 from .report import Fallback, new_graph_report, publish
 from .substitutions import register as _register_substitutions
 
@@ -49,11 +49,11 @@ def _carry_dynamo_metadata(dynamo_gm: torch.fx.GraphModule, lowered: torch.fx.Gr
     old = list(dynamo_gm.graph.find_nodes(op="placeholder"))
     new = list(lowered.graph.find_nodes(op="placeholder"))
     owned = [*lowered.named_parameters(remove_duplicate=False), *lowered.named_buffers(remove_duplicate=False)]
-    if "dynamo_compile_id" not in dynamo_gm.meta or len(old) != len(new) or owned:
+    if ("dynamo_compile_id" not in dynamo_gm.meta or len(old) != len(new) or owned
+            or not all(hasattr(o, "_dynamo_source") for o in old)):  # aot_autograd asserts each has one
         return
     for o, n in zip(old, new):
-        if hasattr(o, "_dynamo_source"):
-            n._dynamo_source = o._dynamo_source
+        n._dynamo_source = o._dynamo_source
         if "tensor_dict" in o.meta:
             n.meta["tensor_dict"] = o.meta["tensor_dict"]
     if hasattr(dynamo_gm, "_param_name_to_source"):
@@ -98,7 +98,7 @@ def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **options):
         warn_inductor_only(patches)
     report = new_graph_report()
     report.fallback_backend, report.patterns = cfg.fallback, tuple(sorted(cfg.patterns))
-    report.mode = options.get("mode") or "default"
+    settings = describe(options.get("mode") or "default", patches, cfg.fallback)
     try:
         if cfg.disable:
             report.disabled = True
@@ -116,10 +116,14 @@ def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **options):
         if not report.replacements:
             # nothing of ours in the graph: hand the original to the fallback untouched
             if cfg.fallback == "eager" and not patches.get(CUDAGRAPHS):
+                report.settings = settings
                 return gm.forward
-            return _compile_rest(gm, example_inputs, cfg.fallback, patches)
-        _carry_dynamo_metadata(gm, lowered)
-        return _compile_rest(lowered, example_inputs, cfg.fallback, patches)
+            compiled = _compile_rest(gm, example_inputs, cfg.fallback, patches)
+        else:
+            _carry_dynamo_metadata(gm, lowered)
+            compiled = _compile_rest(lowered, example_inputs, cfg.fallback, patches)
+        report.settings = settings  # (not on the paths that run the captured graph as it is)
+        return compiled
     except Exception as e:  # noqa: BLE001 - the contract: never fail a compile because of xaccel
         report.replacements.clear()
         report.fallbacks.append(Fallback("backend", f"{type(e).__name__}: {e}; ran the captured graph unmodified"))

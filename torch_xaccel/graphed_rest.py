@@ -4,12 +4,12 @@ torch's `cudagraphs` backend treats only the arguments that aot_autograd lifted 
 modules inlined (torch's default) a model's parameters are ordinary graph inputs, so it copies
 every weight into the graph's own buffers before each replay: the 7B-width xLSTMLarge decoded a
 token in 2.47 ms that way, against 1.05 ms for a hand-captured graph of the same compiled model
-(H200; 40 non-static inputs counted for the 2-block test model). aot_autograd's own list of
-static inputs is empty here: it reads Dynamo's metadata on the graph, and the lowered ATen graph
-is a new graph. So, for graphs without autograd (decoding, inference), the static inputs are
-the ones Dynamo marked on the tensors themselves (parameters and buffers of inlined modules,
-`_dynamo_static_input_type`), as Inductor would keep them; the graph trees re-record if one of
-them moves. Graphs with autograd keep torch's backend.
+(H200; 40 non-static inputs counted for the 2-block test model). For graphs without autograd
+(decoding, inference) this module graphs the inference graph itself and keeps static what
+aot_autograd lists as static (the backend carries Dynamo's metadata to the lowered graph for
+it), or, where that list is missing, what Dynamo marked on the tensors themselves (parameters
+and buffers of inlined modules, `_dynamo_static_input_type`): as Inductor keeps them. The graph
+trees re-record if one of them moves. Graphs with autograd keep torch's backend.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def compile_graphed(gm: torch.fx.GraphModule, example_inputs):
         def inference(aot_gm, aot_inputs):
             return _graphed(aot_gm, aot_inputs, example_inputs)
         return aot_autograd(fw_compiler=inference, inference_compiler=inference)(gm, example_inputs)
-    except Exception as e:  # noqa: BLE001 - torch internals moved: torch's own backend still works
+    except (ImportError, AttributeError, TypeError) as e:  # torch internals moved: torch's own backend still works
         warnings.warn(f"xaccel: static-parameter CUDA graphs unavailable ({type(e).__name__}: {e}); "
                       "torch's cudagraphs backend copies the weights on every replay", UserWarning, stacklevel=2)
         return cudagraphs(gm, example_inputs)
@@ -37,12 +37,28 @@ def compile_graphed(gm: torch.fx.GraphModule, example_inputs):
 
 def static_inputs(example_inputs: list, n_aot: int) -> list[int]:
     """Inputs the graph trees may keep in place, as indices into aot_autograd's arguments (the
-    ones it lifted, then Dynamo's): the lifted ones and the tensors Dynamo marked static."""
-    lifted = n_aot - len(example_inputs)
+    ones it lifted, then Dynamo's): aot_autograd's own list when it has one, else the lifted
+    ones and the tensors Dynamo marked static."""
+    ctx = torch._guards.TracingContext.try_get()
+    listed = getattr(getattr(ctx, "fw_metadata", None), "static_input_indices", None)
+    if listed:
+        return sorted(listed)
+    lifted = _lifted(len(example_inputs), n_aot)
     marked = [lifted + j for j, t in enumerate(example_inputs)
               if isinstance(t, torch.Tensor) and (isinstance(t, torch.nn.Parameter)
                                                    or getattr(t, "_dynamo_static_input_type", None))]
     return list(range(lifted)) + marked
+
+
+def _lifted(n_dynamo: int, n_aot: int) -> int:
+    """Arguments aot_autograd put before Dynamo's (lifted parameters; not its RNG seed/offset
+    inputs, which torch's helper subtracts)."""
+    try:
+        from torch._inductor.utils import num_fw_fixed_arguments
+
+        return num_fw_fixed_arguments(n_dynamo, n_aot)
+    except ImportError:
+        return n_aot - n_dynamo
 
 
 def _graphed(aot_gm: torch.fx.GraphModule, aot_inputs: list, example_inputs: list):
@@ -53,7 +69,7 @@ def _graphed(aot_gm: torch.fx.GraphModule, aot_inputs: list, example_inputs: lis
 
     run = make_boxed_func(aot_gm.forward)
     static = static_inputs(example_inputs, len(aot_inputs))
-    skip = check_for_skip(aot_gm, len(aot_inputs) - len(example_inputs))
+    skip = check_for_skip(aot_gm, _lifted(len(example_inputs), len(aot_inputs)))
     if skip:  # e.g. CPU tensors: logged and counted (counters["inductor"]["cudagraph_skips"])
         log_cudagraph_skip_and_bump_counter(skip)
         return run

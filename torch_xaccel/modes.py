@@ -33,8 +33,34 @@ def rest_options(kwargs: dict) -> dict:
         name = key.replace("-", "_")
         if name not in known:
             raise XaccelConfigError(f"xaccel backend: unknown option {key!r} (options are Inductor config keys)")
+        expected = _plain_type(inductor_config, name)
+        if expected is not None and not isinstance(value, expected):
+            raise XaccelConfigError(f"xaccel backend: option {key!r} takes a {type(known[name]).__name__}, "
+                                    f"got {type(value).__name__}")
         patches[name] = value
     return patches
+
+
+def _plain_type(inductor_config, name: str):
+    """The declared type of an Inductor config key when isinstance can check it (as torch.compile
+    checks options for Inductor), else None."""
+    import typing
+
+    get_type = getattr(inductor_config, "get_type", None)
+    declared = get_type(name) if get_type is not None else None
+    return declared if isinstance(declared, type) and typing.get_origin(declared) is None else None
+
+
+def describe(mode: str, patches: dict, fallback: str) -> str:
+    """The report's line for a compile with settings (empty without any)."""
+    if not patches:
+        return ""
+    label = f"mode={mode}" if mode != "default" else f"options {sorted(patches)}"
+    if fallback == "inductor":
+        return f"{label}: the rest of the graph by Inductor with these settings"
+    if patches.get(CUDAGRAPHS):
+        return f"{label}: the rest of the graph eagerly under CUDA graphs (the only setting the eager rest uses)"
+    return f"{label}: ignored (these settings only apply to Inductor; XACCEL_FALLBACK=eager)"
 
 
 def warn_inductor_only(patches: dict) -> None:

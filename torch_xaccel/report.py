@@ -35,7 +35,7 @@ class GraphReport:
     fallback_backend: str = "eager"
     patterns: tuple[str, ...] = ()
     eager_pointwise: int = 0  # pointwise ATen ops left outside the replaced patterns
-    mode: str = "default"  # torch.compile's mode= (modes.py)
+    settings: str = ""  # torch.compile's mode=/options= as applied, for the report (modes.describe)
 
 
 POINTWISE_HINT = 16  # from this many eager pointwise ops on, the report suggests Inductor for the rest
@@ -68,10 +68,7 @@ class Report:
             lines.append("  XACCEL_DISABLE=1: graphs ran as captured, nothing replaced")
         counts = ", ".join(f"{k}={v}" for k, v in self.counts().items())
         lines.append(f"  replaced: {counts}")
-        for mode in sorted({g.mode for g in self.graphs} - {"default"}):
-            rest = {g.fallback_backend for g in self.graphs if g.mode == mode}
-            lines.append(f"  mode={mode}: the rest of the graph by {', '.join(sorted(rest))} with that mode's settings"
-                         + (" (eager: CUDA graphs only)" if "eager" in rest else ""))
+        lines += [f"  {s}" for s in dict.fromkeys(g.settings for g in self.graphs if g.settings)]
         left = sum(g.eager_pointwise for g in self.graphs if g.fallback_backend == "eager")
         if left >= POINTWISE_HINT:
             lines.append(f"  hint: {left} pointwise ops outside the replaced patterns run eagerly, one kernel each; "
