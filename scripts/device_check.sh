@@ -18,12 +18,15 @@ run_tests() {
   [ "${SKIP_TESTS:-0}" = 1 ] && return
   python3 -m torch_xaccel.demo 2>&1 | tee "$OUT/demo.log" | tail -4
   # PYTEST_ARGS narrows the run (e.g. "-m gpu"); default: the whole suite, CPU tests included
-  timeout "${TEST_TIMEOUT:-3600}" python3 -m pytest -q -p no:cacheprovider --durations=20 ${PYTEST_ARGS:-} 2>&1 \
+  # SIGINT on timeout: pytest still prints its summary; no:logging keeps the xlstm tests' DEBUG
+  # logs from drowning the tracebacks
+  timeout -s INT "${TEST_TIMEOUT:-3600}" python3 -m pytest -q -p no:cacheprovider -p no:logging --show-capture=no \
+    --tb=short --durations=20 ${PYTEST_ARGS:-} 2>&1 \
     | tee "$OUT/pytest.log" | grep -E "passed|failed|FAILED|Error" | tail -15
 }
 run_bench() {
   [ $# -gt 0 ] || return
-  timeout "${BENCH_TIMEOUT:-3600}" python3 -m torch_xaccel.bench "$@" --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^  " | tail -30
+  timeout -s INT "${BENCH_TIMEOUT:-3600}" python3 -m torch_xaccel.bench "$@" --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^  " | tail -30
 }
 # BENCH_FIRST=1: timings before tests, so a long test run cannot cut them; *_TIMEOUT bound each part
 if [ "${BENCH_FIRST:-0}" = 1 ]; then run_bench "$@"; run_tests; else run_tests; run_bench "$@"; fi
