@@ -76,6 +76,8 @@ def _fit(cfg: dict, DK: int, DV: int) -> dict:
     out = dict(cfg, BV=min(DV, cfg["BV"]), BK=min(DK, cfg["BK"]), BVS=min(DV, cfg["BVS"]))
     if "BKQ" in cfg:
         out["BKQ"] = min(DK, cfg["BKQ"])
+    if "DVS" in cfg:
+        out["DVS"] = min(DV, cfg["DVS"])
     return out
 
 
@@ -171,14 +173,20 @@ def backward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
     and 6.53 ms, against 6.2-7.8 and 8.1-10.8 for the other tiles). DQK 512: L64 x BV32 asks
     290 KB of shared memory on the H200 (over the 227 KB limit); L32 x BV64 and L16 x BV64
     fit (checked against the analytic backward on the H200, not yet timed). At 128/128 the
-    4-warp candidate won the latest run (5.21 against 5.52 ms). fp32 from DQK 256: FP32_BACKWARD."""
+    4-warp candidate won the latest run (5.21 against 5.52 ms). fp32 from DQK 256: FP32_BACKWARD.
+    DVS: the split variant (dv in its own kernel, one program per chunk and DVS-wide DV tile;
+    the per-chunk kernel keeps dq, dk and the gates with fewer live temporaries: sm_90 spills
+    2.4 KB instead of 3.7 KB at 256/512, 8 warps). Interpreter-checked, not yet timed on a GPU:
+    tuning decides (below DQK 512, bf16/fp16 lists only)."""
     if itemsize > 2 and DK >= 256:
         return _unique([_fit(c, DK, DV) for c in FP32_BACKWARD[min(DK, WIDE_DK)]])
     if DK >= WIDE_DK:
         base = dict(L=32, BV=64, BK=64, BVS=128, warps=8, stages=2)
         return _unique([_fit(c, DK, DV) for c in (base, dict(base, L=16, warps=4))])
     base = dict(L=64, BV=32, BK=64, BVS=128, warps=8, stages=2)
-    return _unique([_fit(c, DK, DV) for c in (base, dict(base, warps=4), dict(base, BVS=64, warps=4))])
+    return _unique([_fit(c, DK, DV) for c in (base, dict(base, warps=4), dict(base, BVS=64, warps=4),
+                                               dict(base, DVS=64), dict(base, warps=4, DVS=64),
+                                               dict(base, BV=64, DVS=64))])
 
 
 def forward_config(DK: int, DV: int, itemsize: int = 2) -> dict | None:
@@ -398,9 +406,15 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h):
     dg = dg.sum(-1)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     di, dlogf = torch.empty(B, H, S, device=dev, dtype=f32), torch.empty(B, H, S, device=dev, dtype=f32)
-    _launch(_kernel("mlstm_bwd.py.jinja", q.dtype), (B * H, NC),
-        q, k, v, i, f, dh, Cs, ns, ms, dCs, dns, dg, N, dden, hdh, dq, dk, dv, di, dlogf, S, NC, DK ** -0.5,
-        DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
+    DVS = cfg.get("DVS")  # split variant: dv in its own kernel, one program per DV tile
+    if DVS:
+        kdcv = torch.empty(B * H * NC * (DV // DVS) * L, device=dev, dtype=f32)  # its k.dC.v row sums
+        _launch(_kernel("mlstm_bwd_dv.py.jinja", q.dtype), (B * H, NC, DV // DVS),
+            q, k, v, i, f, dh, ms, dCs, N, dv, kdcv, S, NC, DK ** -0.5,
+            DK=DK, DV=DV, BV=DVS, L=L, num_warps=warps, num_stages=stages)
+    _launch(_kernel("mlstm_bwd.py.jinja", q.dtype, split_dv=bool(DVS), dv_tiles=DV // DVS if DVS else 0), (B * H, NC),
+        q, k, v, i, f, dh, Cs, ns, ms, dCs, dns, dg, N, dden, hdh, dq, dk, kdcv if DVS else dv, di, dlogf, S, NC,
+        DK ** -0.5, DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     dm[..., -1] += gm + dmT.sum(-1).view(B, H)
     i32, f32_ = i.float(), f.float()
     m0s = m0.float() if C0 is not None else None
