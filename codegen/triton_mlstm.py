@@ -134,8 +134,9 @@ def forward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
     the sliced kernel (the fastest at both benchmark shapes, see SLICED; at 2 stages 1.094 ms at
     128/128, 1.850 at 256/512; 4 stages, 8 warps, BV64, BKQ 32/128, L32/128 were slower:
     1.16-2.38 ms); the whole-tile runners-up stay (they won at small shapes; 1.33 ms at 128/128
-    and 1.96 ms at 256/512 for the first; the scan tile BVS 64 lost everywhere). DQK 512: whole-tile L128 x BV128 asks 426 KB; L64 x BV64 fits in
-    bf16/fp16 (205 KB) and stays the default until the sliced one is timed there. fp32 doubles
+    and 1.96 ms at 256/512 for the first; the scan tile BVS 64 lost everywhere). DQK 512:
+    whole-tile L128 x BV128 asks 426 KB; L64 x BV64 fits in bf16/fp16 (205 KB) and stays the
+    default until the sliced one is timed there. fp32 doubles
     every tile: where none of these fits, smaller configs take their place; where none of those
     fits either, the op runs its reference."""
     whole = dict(L=128, BV=128, BK=64, BVS=128, warps=8, stages=2)

@@ -65,9 +65,8 @@ def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str, patch
     """Run the lowered graph: through Inductor (with torch.compile's mode/options as config
     patches), or eagerly. Eagerly under CUDA graphs when the mode asks for them (torch's CUDA graph
     trees, with parameters kept in place: graphed_rest.py; they skip graphs with CPU tensors and
-    say why). Eagerly
-    with grad mode off (Dynamo guards on it and recompiles when it changes), the ATen graph runs
-    as it is: without autograd aot_autograd adds nothing but a second trace of the whole graph
+    say why). Eagerly with grad mode off (Dynamo guards on it and recompiles when it changes), the
+    ATen graph runs as it is: without autograd aot_autograd adds nothing but a second trace of the whole graph
     (about 1 s of the 8 s first call of the 7B-width xLSTMLarge prefill on this project's CPU
     machine) and a per-call wrapper."""
     if fallback == "inductor":
