@@ -63,7 +63,7 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False,
 
     def types_for(fn):
         return {a: (ptr if a in ("q_ptr", "k_ptr", "v_ptr", "h_ptr", "Cs_ptr", "dCs_ptr", "dh_ptr", "dq_ptr",
-                                     "dk_ptr", "dv_ptr") else "i32" if a in ("S", "NC", "NT")
+                                     "dk_ptr", "dv_ptr", "dS_ptr") else "i32" if a in ("S", "NC", "NT")
                     else "fp32" if a in ("scale", "eps") else "*fp32") for a in fn.arg_names}
 
     seen = set()
@@ -81,10 +81,12 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False,
                 kernels += ([("mlstm_fwd.py.jinja", fwd_tiles, cfg["warps"])] if phase == "fwd" else
                             [("mlstm_bwd_rows.py.jinja", dict(BV=cfg["BV"]), cfg["warps"]),
                              ("mlstm_bwd_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), scan),
-                             ("mlstm_bwd.py.jinja", dict(BV=cfg["BV"], **({"DVS": cfg["DVS"]} if cfg.get("DVS") else {})),
+                             ("mlstm_bwd.py.jinja", dict(BV=cfg["BV"], **{k: cfg[k] for k in ("DVS", "DKS") if cfg.get(k)}),
                               cfg["warps"])])
                 if phase == "bwd" and cfg.get("DVS"):
                     kernels.append(("mlstm_bwd_dv.py.jinja", dict(BV=cfg["DVS"]), cfg["warps"]))
+                if phase == "bwd" and cfg.get("DKS"):
+                    kernels.append(("mlstm_bwd_dqdk.py.jinja", dict(BV=cfg["BV"], BK=cfg["DKS"]), cfg["warps"]))
                 for template, tiles, warps in kernels:
                     key = (template, DK, DV, cfg["L"], tuple(sorted(tiles.items())), warps, cfg["stages"])
                     if key in seen:
@@ -92,10 +94,10 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False,
                     seen.add(key)
                     extra = (dict(has_state=False) if template == "mlstm_chunk_states.py.jinja" else
                              dict(k_loop="BKQ" in tiles) if template == "mlstm_fwd.py.jinja" else
-                             dict(split_dv="DVS" in tiles, dv_tiles=DV // tiles.get("DVS", DV))
+                             dict(split_dv="DVS" in tiles, dv_tiles=DV // tiles.get("DVS", DV), split_dqdk="DKS" in tiles)
                              if template == "mlstm_bwd.py.jinja" else {})
                     fn = _load(*triton_mlstm._render(template, dtype, False, **extra))
-                    cons = dict(DK=DK, DV=DV, L=cfg["L"], **{k: v for k, v in tiles.items() if k != "DVS"})
+                    cons = dict(DK=DK, DV=DV, L=cfg["L"], **{k: v for k, v in tiles.items() if k not in ("DVS", "DKS")})
                     print(f"{template.split('.')[0]:20s} DK{DK} DV{DV} {cons} {warps} warps {cfg['stages']} stages: "
                           f"{report(fn, types_for(fn), cons, warps, cfg['stages'])}", flush=True)
 

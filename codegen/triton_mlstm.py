@@ -78,6 +78,8 @@ def _fit(cfg: dict, DK: int, DV: int) -> dict:
         out["BKQ"] = min(DK, cfg["BKQ"])
     if "DVS" in cfg:
         out["DVS"] = min(DV, cfg["DVS"])
+    if "DKS" in cfg:
+        out["DKS"] = min(DK, cfg["DKS"])
     return out
 
 
@@ -169,25 +171,31 @@ FP32_BACKWARD = {256: [dict(_FP32_BWD, L=32, BV=32, warps=8), dict(_FP32_BWD, L=
                  512: [dict(_FP32_BWD, L=16, BV=32, warps=4)]}
 
 
+SPLIT3 = dict(L=64, BV=64, BK=64, BVS=128, warps=4, stages=2, DVS=64, DKS=128)
+# the backward in three per-chunk kernels: dv per DVS-wide DV tile (mlstm_bwd_dv), the gates and
+# dS per chunk (mlstm_bwd, split_dqdk; only [L, L] tiles live), dq and dk per DKS-wide DK tile
+# (mlstm_bwd_dqdk, two [L, DKS] accumulators). The fastest backward on the H200 (Triton 3.6,
+# 2026-11-30): 4.09 ms at B8 NH16 S8192 128/128 and 6.00 ms at the 7B head shape, against 4.97
+# and 6.72 for dv alone split off and 5.21 / 6.63 for the single per-chunk kernel; DKS 64: 4.27 /
+# 6.28, DVS 128 (DKS 64): 4.24 / 6.15, 3 stages 4.23 / 6.14, DKS 32 4.76 / 6.87, L128 12.0 / 9.2.
+
+
 def backward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
-    """Same keys. Chunk 64, DV tile 32, scan tile 64 x 128 won at both head shapes (5.47 ms
-    and 6.53 ms, against 6.2-7.8 and 8.1-10.8 for the other tiles). DQK 512: L64 x BV32 asks
-    290 KB of shared memory on the H200 (over the 227 KB limit); L32 x BV64 and L16 x BV64
-    fit (checked against the analytic backward on the H200, not yet timed). At 128/128 the
-    4-warp candidate won the latest run (5.21 against 5.52 ms). fp32 from DQK 256: FP32_BACKWARD.
-    DVS: the split variant (dv in its own kernel, one program per chunk and DVS-wide DV tile;
-    the per-chunk kernel keeps dq, dk and the gates with fewer live temporaries: sm_90 spills
-    2.4 KB instead of 3.7 KB at 256/512, 8 warps). Interpreter-checked, not yet timed on a GPU:
-    tuning decides (below DQK 512, bf16/fp16 lists only)."""
+    """Same keys, plus DVS (dv in its own kernel, one program per chunk and DVS-wide DV tile) and
+    DKS (dq and dk in theirs, one program per chunk and DKS-wide DK tile; only with DVS). Below
+    DQK 512 in bf16/fp16 the first is SPLIT3 (the fastest at both benchmark shapes), its
+    runners-up, then the single per-chunk kernel (chunk 64, DV tile 32; 5.2-5.5 ms and 6.6 ms),
+    which stays the tuner's agreement reference. DQK 512: L64 x BV32 asks 290 KB of shared memory
+    on the H200 (over the 227 KB limit); L32 x BV64 and L16 x BV64 fit (checked against the
+    analytic backward on the H200, not yet timed). fp32 from DQK 256: FP32_BACKWARD."""
     if itemsize > 2 and DK >= 256:
         return _unique([_fit(c, DK, DV) for c in FP32_BACKWARD[min(DK, WIDE_DK)]])
     if DK >= WIDE_DK:
         base = dict(L=32, BV=64, BK=64, BVS=128, warps=8, stages=2)
         return _unique([_fit(c, DK, DV) for c in (base, dict(base, L=16, warps=4))])
     base = dict(L=64, BV=32, BK=64, BVS=128, warps=8, stages=2)
-    return _unique([_fit(c, DK, DV) for c in (base, dict(base, warps=4), dict(base, BVS=64, warps=4),
-                                               dict(base, DVS=64), dict(base, warps=4, DVS=64),
-                                               dict(base, BV=64, DVS=64))])
+    split = [SPLIT3, dict(SPLIT3, DVS=128), dict(SPLIT3, DKS=64), dict(SPLIT3, stages=3)] if itemsize <= 2 else []
+    return _unique([_fit(c, DK, DV) for c in split + [base, dict(base, warps=4), dict(base, BV=64, DVS=64)]])
 
 
 def forward_config(DK: int, DV: int, itemsize: int = 2) -> dict | None:
@@ -242,15 +250,15 @@ def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch) -> dict:
 
 def _fastest(label: str, default: dict, cands: list[dict], launch, timings: list) -> dict:
     """The fastest candidate; a config must first reproduce the output of the reference config
-    within 1e-2 before its speed counts. The reference is the first whole-tile config that runs:
-    the sliced kernel (SLICED) had a version that Triton miscompiled on Hopper while the
-    interpreter agreed, so it is checked, not trusted; without a whole-tile config, the first that
-    runs. No candidate runs: raise (the runtime falls back to the reference and says why)."""
+    within 1e-2 before its speed counts. The reference is the first config of an original kernel
+    (whole-tile forward, single per-chunk backward: _newer_kernel) that runs: the sliced kernel
+    (SLICED) had a version that Triton miscompiled on Hopper while the interpreter agreed, so
+    newer variants are checked, not trusted; without an original config, the first that runs. No candidate runs: raise (the runtime falls back to the reference and says why)."""
     import triton.testing
 
     cache.precompile(cands, lambda cfg: _warmup(launch, cfg))
     want, ref = None, None
-    for cfg in sorted(cands, key=lambda c: bool(c.get("BKQ"))):  # stable: whole-tile first, in list order
+    for cfg in sorted(cands, key=_newer_kernel):  # stable: in list order among equals
         try:
             want, ref = torch.nan_to_num(launch(cfg)[0].float()), cfg  # degenerate inputs: compare finite parts
             break
@@ -265,6 +273,12 @@ def _fastest(label: str, default: dict, cands: list[dict], launch, timings: list
             raise ValueError("result differs from the reference config's")
         return triton.testing.do_bench(lambda: launch(cfg), warmup=3, rep=15, return_mode="median")
     return cache.fastest(label, cands, bench, best=ref, timings=timings)
+
+
+def _newer_kernel(cfg: dict) -> bool:
+    """Configs that run a later kernel variant (sliced forward, split backward): never the
+    tuner's reference while an original config runs."""
+    return any(cfg.get(key) for key in ("BKQ", "DVS", "DKS"))
 
 
 def _supported(q, k, v, S, phase: str) -> bool:
@@ -413,9 +427,19 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h):
         _launch(_kernel("mlstm_bwd_dv.py.jinja", q.dtype), (B * H, NC, DV // DVS),
             q, k, v, i, f, dh, ms, dCs, N, dv, kdcv, S, NC, DK ** -0.5,
             DK=DK, DV=DV, BV=DVS, L=L, num_warps=warps, num_stages=stages)
-    _launch(_kernel("mlstm_bwd.py.jinja", q.dtype, split_dv=bool(DVS), dv_tiles=DV // DVS if DVS else 0), (B * H, NC),
-        q, k, v, i, f, dh, Cs, ns, ms, dCs, dns, dg, N, dden, hdh, dq, dk, kdcv if DVS else dv, di, dlogf, S, NC,
-        DK ** -0.5, DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
+    DKS = cfg.get("DKS")  # and dq, dk in theirs, one program per DK tile (only with DVS)
+    if DKS:
+        dS = torch.empty(B * H * NC * L * L, device=dev, dtype=q.dtype)
+        wu = torch.empty(B * H * NC * 2 * L, device=dev, dtype=f32)
+    _launch(_kernel("mlstm_bwd.py.jinja", q.dtype, split_dv=bool(DVS), dv_tiles=DV // DVS if DVS else 0,
+                    split_dqdk=bool(DKS)), (B * H, NC),
+        q, k, v, i, f, dh, Cs, ns, ms, dCs, dns, dg, N, dden, hdh, *((dS, wu) if DKS else (dq, dk)),
+        kdcv if DVS else dv, di, dlogf, S, NC, DK ** -0.5, DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps,
+        num_stages=stages)
+    if DKS:
+        _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype), (B * H, NC, DK // DKS),
+            q, k, v, dh, Cs, ns, dCs, dns, N, dden, dS, wu, dq, dk, S, NC, DK ** -0.5,
+            DK=DK, DV=DV, BK=DKS, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     dm[..., -1] += gm + dmT.sum(-1).view(B, H)
     i32, f32_ = i.float(), f.float()
     m0s = m0.float() if C0 is not None else None

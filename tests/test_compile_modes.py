@@ -91,6 +91,19 @@ def test_static_inputs_without_aot_metadata_are_the_marked_tensors():
     assert static_inputs([x, p], 3) == [0, 2]  # one lifted argument in front
 
 
+def test_graphed_rest_runner_empties_its_argument_list():
+    """The graph trees call the graph boxed and assert afterwards that the argument list is empty
+    (make_boxed_func left it full: an AssertionError on the H200 at the first replay)."""
+    from torch_xaccel.graphed_rest import boxed_clearing
+
+    gm = torch.fx.symbolic_trace(lambda a, b: torch.tanh(a) * b)
+    a, b = torch.randn(5), torch.randn(5)
+    args = [a, b]
+    out = boxed_clearing(gm)(args)
+    assert args == [] and getattr(boxed_clearing(gm), "_boxed_call", False)
+    torch.testing.assert_close(out, torch.tanh(a) * b, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(mode="fastest"), "unknown mode='fastest'"),
     (dict(options={"no_such_knob": True}), "unknown option 'no_such_knob'"),

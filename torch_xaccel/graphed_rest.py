@@ -62,12 +62,11 @@ def _lifted(n_dynamo: int, n_aot: int) -> int:
 
 
 def _graphed(aot_gm: torch.fx.GraphModule, aot_inputs: list, example_inputs: list):
-    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.cudagraphs import check_for_skip, find_input_mutations, get_device_index, get_stack_traces
     from torch._inductor.cudagraph_trees import cudagraphify_impl
     from torch._inductor.cudagraph_utils import get_placeholder_info, log_cudagraph_skip_and_bump_counter
 
-    run = make_boxed_func(aot_gm.forward)
+    run = boxed_clearing(aot_gm)
     static = static_inputs(example_inputs, len(aot_inputs))
     skip = check_for_skip(aot_gm, _lifted(len(example_inputs), len(aot_inputs)))
     if skip:  # e.g. CPU tensors: logged and counted (counters["inductor"]["cudagraph_skips"])
@@ -79,3 +78,15 @@ def _graphed(aot_gm: torch.fx.GraphModule, aot_inputs: list, example_inputs: lis
                                 mutated_input_idxs=find_input_mutations(aot_gm.graph))
     graphed._boxed_call = True
     return graphed
+
+
+def boxed_clearing(gm: torch.fx.GraphModule):
+    """The graph as a boxed function that empties its argument list, as the graph trees require
+    (they assert the list is empty after the warm-up run, so inputs they do not own can be freed;
+    functorch's make_boxed_func leaves it full)."""
+    def run(args: list):
+        inputs = list(args)
+        args.clear()
+        return gm(*inputs)
+    run._boxed_call = True
+    return run
