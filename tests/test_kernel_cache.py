@@ -111,6 +111,26 @@ def test_mlstm_tuning_survives_a_default_config_that_does_not_fit(monkeypatch):
         triton_mlstm._fastest("mlstm fwd", cands[0], cands[:1], launch, [])
 
 
+def test_mlstm_tuning_reference_is_an_original_kernel(monkeypatch):
+    """A newer kernel variant listed first (the split backward, SPLIT3, is the default) is checked
+    against the first original config, not taken as the reference: a variant that disagrees
+    loses even when it is the fastest."""
+    import torch
+    import triton.testing
+
+    from torch_xaccel.codegen import triton_mlstm
+
+    out = torch.randn(64)
+    results = {"split": out * 2, "sliced": out + 1e-4, "orig": out}
+    times = {"split": 0.1, "sliced": 0.5, "orig": 1.0}
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: _time_of(fn, times))
+    cands = [{"n": "split", "DVS": 64, "DKS": 128}, {"n": "sliced", "BKQ": 64}, {"n": "orig"}]
+    timings = []
+    got = triton_mlstm._fastest("mlstm bwd", cands[0], cands, lambda cfg: (results[cfg["n"]],), timings)
+    assert got == {"n": "sliced", "BKQ": 64}
+    assert "differs" in dict((t[0]["n"], t[2]) for t in timings)["split"]
+
+
 def _time_of(fn, times):
     """do_bench stand-in: the bench lambda closes over the config being timed."""
     cfg = next(c.cell_contents for c in fn.__closure__ if isinstance(c.cell_contents, dict))
