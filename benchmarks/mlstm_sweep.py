@@ -1,7 +1,7 @@
 """Time the generated mLSTM kernels over tile configurations on the GPU (bf16), to pick the
 defaults in codegen/triton_mlstm.py:
 
-    python benchmarks/mlstm_sweep.py [--quick] [--sliced]
+    python benchmarks/mlstm_sweep.py [--quick] [--sliced] [--profile]
 
 Each line: shape, phase, config, median ms, and the relative error of h (forward) or dq
 (backward) against the default config, so a config that breaks the math cannot win.
@@ -67,7 +67,7 @@ def profile(shape):
             tm.forward(None, *x, None, None, None, 1e-6, 64)
             tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h)
         torch.cuda.synchronize()
-    for e in sorted(p.key_averages(), key=lambda e: -e.device_time_total)[:10]:
+    for e in sorted(p.key_averages(), key=lambda e: -e.device_time_total)[:14]:
         print(f"{shape} kernel {e.key[:60]:60s} {e.device_time_total / 3 / 1e3:8.3f} ms per fwd+bwd", flush=True)
 
 
@@ -78,6 +78,7 @@ def main():
     ap.add_argument("--sliced", action="store_true",
                     help="only the forward: the whole-tile kernel's first config and the sliced kernel's neighbours"
                          " (tm.sliced_sweep_configs)")
+    ap.add_argument("--profile", action="store_true", help="only the per-kernel profile at the default configs")
     args = ap.parse_args()
     print("defaults:", {s: (tm.forward_config(s[3], s[4]), tm.backward_config(s[3], s[4])) for s in SHAPES})
     for shape in SHAPES:
@@ -87,6 +88,9 @@ def main():
                dict(base_f, BK=min(DK, 64), BVS=min(DV, 128))]
         bwd = [base_b, dict(base_b, stages=1), dict(base_b, BV=64, stages=1), dict(base_b, L=32, BV=64, stages=1),
                dict(base_b, warps=4)]
+        if args.profile:
+            profile(shape)
+            continue
         if args.quick:
             fwd, bwd = fwd[:4], bwd[:2]
         if args.sliced:

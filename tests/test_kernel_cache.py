@@ -120,15 +120,23 @@ def test_mlstm_tuning_reference_is_an_original_kernel(monkeypatch):
 
     from torch_xaccel.codegen import triton_mlstm
 
-    out = torch.randn(64)
-    results = {"split": out * 2, "sliced": out + 1e-4, "orig": out}
-    times = {"split": 0.1, "sliced": 0.5, "orig": 1.0}
+    out, dv = torch.randn(64), torch.randn(32)
+    # gradients (dq, dk, dv, di, df, dC0): "split" is wrong in dq; "dvbad" only in dv, the output of
+    # another kernel of the split backward; "dm0" differs only in an initial-state gradient, which
+    # cancels badly in bf16 and is not compared
+    results = {"split": (out * 2, out, dv), "dvbad": (out, out, dv * 2), "sliced": (out + 1e-4, out, dv),
+               "dm0": (out, out, dv, None, None, dv * 3), "orig": (out, out, dv)}
+    times = {"split": 0.1, "dvbad": 0.2, "dm0": 0.3, "sliced": 0.5, "orig": 1.0}
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: _time_of(fn, times))
-    cands = [{"n": "split", "DVS": 64, "DKS": 128}, {"n": "sliced", "BKQ": 64}, {"n": "orig"}]
+    cands = [{"n": "split", "DVS": 64, "DKS": 128}, {"n": "dvbad", "DVS": 64}, {"n": "sliced", "BKQ": 64},
+             {"n": "orig"}]
     timings = []
-    got = triton_mlstm._fastest("mlstm bwd", cands[0], cands, lambda cfg: (results[cfg["n"]],), timings)
+    got = triton_mlstm._fastest("mlstm bwd", cands[0], cands, lambda cfg: results[cfg["n"]], timings)
     assert got == {"n": "sliced", "BKQ": 64}
-    assert "differs" in dict((t[0]["n"], t[2]) for t in timings)["split"]
+    errors = dict((t[0]["n"], t[2]) for t in timings)
+    assert "differs" in errors["split"] and "differs" in errors["dvbad"]
+    cands.insert(3, {"n": "dm0"})
+    assert triton_mlstm._fastest("mlstm bwd", cands[0], cands, lambda cfg: results[cfg["n"]], []) == {"n": "dm0"}
 
 
 def _time_of(fn, times):

@@ -69,7 +69,9 @@ CANDIDATES_SCRIPT = textwrap.dedent("""
     torch.manual_seed(1)
     bad = 0
     for DK, DV in [(512, 64), (128, 128)]:
-        B, H, S = 1, 1, 260  # three chunks even at chunk 128, the last one partial
+        # three chunks even at chunk 128, the last one partial; two heads where the split backward's
+        # per-(head, chunk) scratch (dS, w, u) is indexed
+        B, H, S = 1, (2 if DK < 512 else 1), 260
         x = [torch.randn(B, H, S, DK), torch.randn(B, H, S, DK), torch.randn(B, H, S, DV), torch.randn(B, H, S),
              torch.randn(B, H, S) + 2]
         st = [torch.randn(B, H, DK, DV) * .1, torch.randn(B, H, DK) * .1, torch.randn(B, H)]
@@ -136,3 +138,20 @@ def test_candidates_fit_shared_memory_per_dtype():
     assert tm.forward_candidates(512, 512)[0] == dict(L=64, BV=64, BK=64, BVS=128, warps=8, stages=2)
     # fp32 at DQK 512: only the sliced kernel's tiles fit
     assert all(c.get("BKQ") for c in tm.forward_candidates(512, 512, 4))
+
+
+def test_backward_candidate_rules():
+    """The split backward (SPLIT3, the measured bf16 default below DQK 512): DKS only with DVS,
+    tiles that divide the head dims; not offered in fp32 (not timed there) nor at DQK 512."""
+    from torch_xaccel.codegen import triton_mlstm as tm
+
+    assert tm.backward_candidates(128, 128)[0] == tm.SPLIT3 and tm.backward_candidates(256, 512)[0] == tm.SPLIT3
+    for DK in (16, 32, 64, 128, 256, 512):
+        for DV in (16, 64, 128, 512):
+            for size in (2, 4):
+                for c in tm.backward_candidates(DK, DV, size):
+                    assert not c.get("DKS") or (c.get("DVS") and DK % c["DKS"] == 0), c
+                    assert not c.get("DVS") or DV % c["DVS"] == 0, c
+                    assert not (c.get("DKS") and (size > 2 or DK >= tm.WIDE_DK)), (DK, DV, size, c)
+    with pytest.raises(ValueError, match="DKS .* needs DVS"):
+        tm._backward(dict(tm.SPLIT3, DVS=None), *([None] * 12), 1e-6, None)
