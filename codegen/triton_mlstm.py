@@ -179,11 +179,16 @@ SPLIT3 = dict(L=64, BV=64, BK=64, BVS=128, warps=4, stages=2, DVS=64, DKS=128)
 # 2026-11-30): 4.09 ms at B8 NH16 S8192 128/128 and 6.00 ms at the 7B head shape, against 4.97
 # and 6.72 for dv alone split off and 5.21 / 6.63 for the single per-chunk kernel; DKS 64: 4.27 /
 # 6.28, DVS 128 (DKS 64): 4.24 / 6.15, 3 stages 4.23 / 6.14, DKS 32 4.76 / 6.87, L128 12.0 / 9.2.
+# The reverse scan it runs (0.99 / 1.93 ms, profiled before the split) also reads every stored
+# chunk state for the forget term; DGV moves that to the dv kernel (not yet timed).
 
 
 def backward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
-    """Same keys, plus DVS (dv in its own kernel, one program per chunk and DVS-wide DV tile) and
-    DKS (dq and dk in theirs, one program per chunk and DKS-wide DK tile; only with DVS). Below
+    """Same keys, plus DVS (dv in its own kernel, one program per chunk and DVS-wide DV tile),
+    DKS (dq and dk in theirs, one program per chunk and DKS-wide DK tile; only with DVS) and DGV
+    (the forget term exp(g + m) <dC, C> in the dv kernel instead of the sequential state-gradient
+    scan, which then reads no stored state: built after the sixth session's device time ran out,
+    interpreter-checked, not yet timed; only with DVS). Below
     DQK 512 in bf16/fp16 the first is SPLIT3 (the fastest at both benchmark shapes), its
     runners-up, then the single per-chunk kernel (chunk 64, DV tile 32; 5.2-5.5 ms and 6.6 ms),
     which stays the tuner's agreement reference. DQK 512: L64 x BV32 asks 290 KB of shared memory
@@ -195,7 +200,7 @@ def backward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
         base = dict(L=32, BV=64, BK=64, BVS=128, warps=8, stages=2)
         return _unique([_fit(c, DK, DV) for c in (base, dict(base, L=16, warps=4))])
     base = dict(L=64, BV=32, BK=64, BVS=128, warps=8, stages=2)
-    split = [SPLIT3, dict(SPLIT3, DVS=128), dict(SPLIT3, DKS=64), dict(SPLIT3, stages=3)] if itemsize <= 2 else []
+    split = [SPLIT3, dict(SPLIT3, DGV=1), dict(SPLIT3, DVS=128), dict(SPLIT3, DKS=64)] if itemsize <= 2 else []
     return _unique([_fit(c, DK, DV) for c in split + [base, dict(base, warps=4), dict(base, BV=64, DVS=64)]])
 
 
@@ -251,11 +256,11 @@ def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch) -> dict:
 
 def _fastest(label: str, default: dict, cands: list[dict], launch, timings: list) -> dict:
     """The fastest candidate; a config must first reproduce the outputs of the reference config
-    (each of _compared's, within 1e-2) before its speed counts. The reference is the first config
-    of an original kernel (whole-tile forward, single per-chunk backward: _newer_kernel) that
-    runs: the sliced kernel (SLICED) had a version that Triton miscompiled on Hopper while the
-    interpreter agreed, so newer variants are checked, not trusted; without an original config,
-    the first that runs. No candidate runs: raise (the runtime falls back to the reference and
+    (each of _compared's, within 1e-2 or 2e-2) before its speed counts. The reference is the
+    first config of an original kernel (whole-tile forward, single per-chunk backward:
+    _newer_kernel) that runs: the sliced kernel (SLICED) had a version that Triton miscompiled
+    on Hopper while the interpreter agreed, so newer variants are checked, not trusted; without
+    an original config, the first that runs. No candidate runs: raise (the runtime falls back to the reference and
     says why)."""
     import triton.testing
 
@@ -272,7 +277,8 @@ def _fastest(label: str, default: dict, cands: list[dict], launch, timings: list
 
     def bench(cfg):
         got = _compared(launch(cfg))
-        if not all((g - w).norm() <= 1e-2 * w.norm() for g, w in zip(got, want)):
+        tolerances = [1e-2] + [2e-2] * (len(want) - 1)
+        if not all((g - w).norm() <= tol * w.norm() for g, w, tol in zip(got, want, tolerances)):
             raise ValueError("result differs from the reference config's")
         return triton.testing.do_bench(lambda: launch(cfg), warmup=3, rep=15, return_mode="median")
     return cache.fastest(label, cands, bench, best=ref, timings=timings)
@@ -281,9 +287,11 @@ def _fastest(label: str, default: dict, cands: list[dict], launch, timings: list
 def _compared(outputs) -> list:
     """What the agreement check compares: every output of the forward (h and the final state)
     or every input gradient of the backward (dq, dk, dv, di, df: each comes from a different
-    kernel of the split backward), finite parts only (degenerate inputs). Not the initial-state
-    gradients: dm0 cancels to 1e-2-1e-4 of its terms, so two right configs may differ there by
-    more than 1e-2 in bf16."""
+    kernel of the split backward), finite parts only (degenerate inputs). h and dq within 1e-2
+    as before; the others within 2e-2, since two right bf16 configs each carry up to ~3e-3 of
+    their own error there (GPU tests) and a broken kernel is off by far more. Not the
+    initial-state gradients: dm0 cancels to 1e-2-1e-4 of its terms, so two right configs may
+    differ there by more than that in bf16."""
     return [torch.nan_to_num(t.float()) for t in list(outputs)[:5] if t is not None]
 
 
@@ -413,8 +421,9 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h):
 
     from torch_xaccel.ops.mlstm_backward import _route_max_grad
 
-    if cfg.get("DKS") and not cfg.get("DVS"):
-        raise ValueError(f"mLSTM backward config {cfg}: DKS (dq, dk split off) needs DVS (dv split off)")
+    for key in ("DKS", "DGV"):
+        if cfg.get(key) and not cfg.get("DVS"):
+            raise ValueError(f"mLSTM backward config {cfg}: {key} needs DVS (dv split off)")
     B, H, S, DK = q.shape
     DV = v.shape[-1]
     dev, f32 = q.device, torch.float32
@@ -427,20 +436,21 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h):
         DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     dCs, dns = torch.empty_like(Cs), torch.empty_like(ns)
     dC0, dn0 = torch.empty_like(gC), torch.empty_like(gn)
-    dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)
+    DVS = cfg.get("DVS")  # split variant: dv in its own kernel, one program per DV tile
+    DGV = bool(cfg.get("DGV"))  # and the forget term <dC, C> there, off the sequential scan
+    dg = torch.empty(B * H, NC, DV // DVS if DGV else NT, device=dev, dtype=f32)
     dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
-    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype), (B * H, DK // BK, DV // BVS),
+    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, dg_elsewhere=DGV), (B * H, DK // BK, DV // BVS),
         q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0, S, NC, NT,
         DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=_scan_warps(cfg), num_stages=stages)
-    dg = dg.sum(-1)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     di, dlogf = torch.empty(B, H, S, device=dev, dtype=f32), torch.empty(B, H, S, device=dev, dtype=f32)
-    DVS = cfg.get("DVS")  # split variant: dv in its own kernel, one program per DV tile
     if DVS:
         kdcv = torch.empty(B * H * NC * (DV // DVS) * L, device=dev, dtype=f32)  # its k.dC.v row sums
-        _launch(_kernel("mlstm_bwd_dv.py.jinja", q.dtype), (B * H, NC, DV // DVS),
-            q, k, v, i, f, dh, ms, dCs, N, dv, kdcv, S, NC, DK ** -0.5,
+        _launch(_kernel("mlstm_bwd_dv.py.jinja", q.dtype, with_dg=DGV), (B * H, NC, DV // DVS),
+            q, k, v, i, f, dh, ms, dCs, N, dv, kdcv, *((Cs, ns, dns, dg) if DGV else ()), S, NC, DK ** -0.5,
             DK=DK, DV=DV, BV=DVS, L=L, num_warps=warps, num_stages=stages)
+    dg = dg.sum(-1)  # per (chunk, tile) parts of the forget term, from the scan or the dv kernel
     DKS = cfg.get("DKS")  # and dq, dk in theirs, one program per DK tile (only with DVS)
     if DKS:  # dS scratch: L/DK of q's size (128 MiB at B8 NH16 S8192 128/128)
         dS = torch.empty(B * H * NC * L * L, device=dev, dtype=q.dtype)

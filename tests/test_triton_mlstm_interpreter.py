@@ -141,7 +141,7 @@ def test_candidates_fit_shared_memory_per_dtype():
 
 
 def test_backward_candidate_rules():
-    """The split backward (SPLIT3, the measured bf16 default below DQK 512): DKS only with DVS,
+    """The split backward (SPLIT3, the measured bf16 default below DQK 512): DKS and DGV only with DVS,
     tiles that divide the head dims; not offered in fp32 (not timed there) nor at DQK 512."""
     from torch_xaccel.codegen import triton_mlstm as tm
 
@@ -151,7 +151,9 @@ def test_backward_candidate_rules():
             for size in (2, 4):
                 for c in tm.backward_candidates(DK, DV, size):
                     assert not c.get("DKS") or (c.get("DVS") and DK % c["DKS"] == 0), c
+                    assert not c.get("DGV") or c.get("DVS"), c
                     assert not c.get("DVS") or DV % c["DVS"] == 0, c
                     assert not (c.get("DKS") and (size > 2 or DK >= tm.WIDE_DK)), (DK, DV, size, c)
-    with pytest.raises(ValueError, match="DKS .* needs DVS"):
-        tm._backward(dict(tm.SPLIT3, DVS=None), *([None] * 12), 1e-6, None)
+    for key, cfg in (("DKS", dict(tm.SPLIT3, DVS=None)), ("DGV", dict(tm.SPLIT3, DVS=None, DKS=None, DGV=1))):
+        with pytest.raises(ValueError, match=f"{key} needs DVS"):
+            tm._backward(cfg, *([None] * 12), 1e-6, None)
