@@ -188,10 +188,9 @@ def backward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
     DKS (dq and dk in theirs, one program per chunk and DKS-wide DK tile; only with DVS) and DGV
     (the forget term exp(g + m) <dC, C> in the dv kernel instead of the sequential state-gradient
     scan, which then reads no stored state: built after the sixth session's device time ran out,
-    interpreter-checked, not yet timed; only with DVS). Below
-    DQK 512 in bf16/fp16 the first is SPLIT3 (the fastest at both benchmark shapes), its
-    runners-up, then the single per-chunk kernel (chunk 64, DV tile 32; 5.2-5.5 ms and 6.6 ms),
-    which stays the tuner's agreement reference. DQK 512: L64 x BV32 asks 290 KB of shared memory
+    interpreter-checked, not yet timed; only with DVS). Below DQK 512 in bf16/fp16 the first is
+    SPLIT3 (the fastest at both benchmark shapes), its variants, then the single per-chunk kernel
+    (chunk 64, DV tile 32; 5.2-5.5 ms and 6.6 ms), which stays the tuner's agreement reference. DQK 512: L64 x BV32 asks 290 KB of shared memory
     on the H200 (over the 227 KB limit); L32 x BV64 and L16 x BV64 fit (checked against the
     analytic backward on the H200, not yet timed). fp32 from DQK 256: FP32_BACKWARD."""
     if itemsize > 2 and DK >= 256:
@@ -260,8 +259,8 @@ def _fastest(label: str, default: dict, cands: list[dict], launch, timings: list
     first config of an original kernel (whole-tile forward, single per-chunk backward:
     _newer_kernel) that runs: the sliced kernel (SLICED) had a version that Triton miscompiled
     on Hopper while the interpreter agreed, so newer variants are checked, not trusted; without
-    an original config, the first that runs. No candidate runs: raise (the runtime falls back to the reference and
-    says why)."""
+    an original config, the first that runs. No candidate runs: raise (the runtime falls back to
+    the reference and says why)."""
     import triton.testing
 
     cache.precompile(cands, lambda cfg: _warmup(launch, cfg))
