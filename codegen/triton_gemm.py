@@ -31,9 +31,10 @@ SMALL_M = [("ptr", 128, 64, 128, 8, 4, 4, 0), ("ptr", 128, 32, 128, 8, 4, 5, 0),
            ("ptr", 64, 64, 128, 8, 4, 4, 0), ("ptr", 64, 128, 64, 8, 4, 4, 0), ("ptr", 32, 64, 128, 8, 4, 4, 0),
            ("ptr", 64, 32, 256, 8, 4, 3, 0), ("tma", 128, 64, 128, 8, 4, 4, 0), ("tma", 128, 32, 128, 8, 4, 5, 0),
            ("tma", 64, 64, 128, 8, 4, 5, 0), ("ptr", 128, 128, 64, 8, 8, 4, 0), ("tma", 128, 128, 64, 8, 8, 4, 0)]
-# the last two (not yet timed): at M128 one 128-row tile reads each weight tile once, with N/128
-# programs (128 at N16384, about one per SM); the best so far, ptr 64x128x64 (0.042 ms of GPU time
-# against 0.028 for reading W once), reads it twice and relies on L2 for the second read
+# the last two: at M128 one 128-row tile reads each weight tile once, with N/128 programs (128 at
+# N16384, about one per SM); timed on the H200 (fifth session) they lost to ptr 64x128x64 (0.0444
+# and 0.0453 against 0.0421 ms of GPU time; reading W once takes 0.028), which reads W twice and
+# relies on L2 for the second read
 DUAL = [("tma", 128, 128, 64, 8, 8, 3, 1), ("tma", 128, 128, 64, 8, 8, 4, 0), ("tma", 128, 128, 64, 8, 8, 3, 0),
         ("tma", 256, 128, 64, 8, 8, 2, 1), ("tma2", 128, 128, 64, 8, 8, 4, 0), ("tma2", 128, 128, 64, 8, 8, 3, 1),
         ("ptr", 128, 128, 64, 8, 8, 3, 0), ("ptr", 128, 64, 64, 8, 4, 4, 0)]

@@ -73,14 +73,16 @@ INTERPRETER_CONFIG = dict(L=16, BV=16, BK=16, BVS=16, warps=4, stages=1)
 
 
 def _fit(cfg: dict, DK: int, DV: int) -> dict:
-    out = dict(cfg, BV=min(DV, cfg["BV"]), BK=min(DK, cfg["BK"]), BVS=min(DV, cfg["BVS"]))
-    if "BKQ" in cfg:
-        out["BKQ"] = min(DK, cfg["BKQ"])
-    if "DVS" in cfg:
-        out["DVS"] = min(DV, cfg["DVS"])
-    if "DKS" in cfg:
-        out["DKS"] = min(DK, cfg["DKS"])
+    out = dict(cfg)
+    for key, dim in (("BV", DV), ("BK", DK), ("BVS", DV), ("BKQ", DK), ("DVS", DV), ("DKS", DK)):
+        if key in cfg:
+            out[key] = min(dim, cfg[key])
     return out
+
+
+def _fitted(cfgs, DK: int, DV: int) -> list[dict]:
+    """The configs fitted to the head dims, each once."""
+    return _unique([_fit(c, DK, DV) for c in cfgs])
 
 
 def _scan_warps(cfg: dict) -> int:
@@ -149,7 +151,7 @@ def forward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
         listed = [SLICED, dict(SLICED, stages=2), whole, dict(whole, L=64)]
 
     def fitting(cfgs):
-        return [c for c in _unique([_fit(c, DK, DV) for c in cfgs])
+        return [c for c in _fitted(cfgs, DK, DV)
                 if forward_shared_bytes(c, DK, DV, itemsize) <= SHARED_LIMIT]
     return fitting(listed) or fitting([dict(whole, L=64, BV=64), dict(whole, L=32, BV=32, warps=4),
                                        dict(whole, L=16, BV=64, warps=4)])
@@ -158,9 +160,8 @@ def forward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
 def sliced_sweep_configs(DK: int, DV: int) -> list[dict]:
     """Neighbours of SLICED for benchmarks/mlstm_sweep.py --sliced (stages, warps, tiles)."""
     s = SLICED
-    return _unique([_fit(c, DK, DV) for c in (s, dict(s, stages=2), dict(s, stages=4), dict(s, warps=8),
-                                               dict(s, BV=64), dict(s, BKQ=128), dict(s, BKQ=32), dict(s, L=32),
-                                               dict(s, L=128, warps=8, stages=2))])
+    return _fitted((s, dict(s, stages=2), dict(s, stages=4), dict(s, warps=8), dict(s, BV=64), dict(s, BKQ=128),
+                    dict(s, BKQ=32), dict(s, L=32), dict(s, L=128, warps=8, stages=2)), DK, DV)
 
 
 _FP32_BWD = dict(BK=64, BVS=128, stages=2)
@@ -190,17 +191,18 @@ def backward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
     scan, which then reads no stored state: built after the sixth session's device time ran out,
     interpreter-checked, not yet timed; only with DVS). Below DQK 512 in bf16/fp16 the first is
     SPLIT3 (the fastest at both benchmark shapes), its variants, then the single per-chunk kernel
-    (chunk 64, DV tile 32; 5.2-5.5 ms and 6.6 ms), which stays the tuner's agreement reference. DQK 512: L64 x BV32 asks 290 KB of shared memory
-    on the H200 (over the 227 KB limit); L32 x BV64 and L16 x BV64 fit (checked against the
-    analytic backward on the H200, not yet timed). fp32 from DQK 256: FP32_BACKWARD."""
+    (chunk 64, DV tile 32; 5.2-5.5 ms and 6.6 ms), which stays the tuner's agreement reference.
+    DQK 512: L64 x BV32 asks 290 KB of shared memory on the H200 (over the 227 KB limit); L32 x
+    BV64 and L16 x BV64 fit (checked against the analytic backward on the H200, not yet timed).
+    fp32 from DQK 256: FP32_BACKWARD."""
     if itemsize > 2 and DK >= 256:
-        return _unique([_fit(c, DK, DV) for c in FP32_BACKWARD[min(DK, WIDE_DK)]])
+        return _fitted(FP32_BACKWARD[min(DK, WIDE_DK)], DK, DV)
     if DK >= WIDE_DK:
         base = dict(L=32, BV=64, BK=64, BVS=128, warps=8, stages=2)
-        return _unique([_fit(c, DK, DV) for c in (base, dict(base, L=16, warps=4))])
+        return _fitted((base, dict(base, L=16, warps=4)), DK, DV)
     base = dict(L=64, BV=32, BK=64, BVS=128, warps=8, stages=2)
     split = [SPLIT3, dict(SPLIT3, DGV=1), dict(SPLIT3, DVS=128), dict(SPLIT3, DKS=64)] if itemsize <= 2 else []
-    return _unique([_fit(c, DK, DV) for c in split + [base, dict(base, warps=4), dict(base, BV=64, DVS=64)]])
+    return _fitted(split + [base, dict(base, warps=4), dict(base, BV=64, DVS=64)], DK, DV)
 
 
 def forward_config(DK: int, DV: int, itemsize: int = 2) -> dict | None:
