@@ -54,21 +54,44 @@ def sweep(shape, fwd_cfgs, bwd_cfgs):
 
 
 def profile(shape):
-    """Per-kernel CUDA time of one forward and one backward at the default configs."""
+    """Per-kernel CUDA time of one forward + backward through the op and autograd (glue, casts and
+    the .grad accumulation included), at the default configs; then the op's fwd+bwd timed with
+    .grad accumulating (as the bench and the anchors' script do) and with .grad reset to None before
+    each call (as after optimizer.zero_grad()), beside the xLSTM library's when importable."""
     from torch.profiler import ProfilerActivity, profile as prof
 
-    x = _inputs(*shape)
-    h = tm.forward(None, *x, None, None, None, 1e-6, 64)[0]
-    dh = torch.randn_like(h)
-    tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h)
-    torch.cuda.synchronize()
-    with prof(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(3):
-            tm.forward(None, *x, None, None, None, 1e-6, 64)
-            tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h)
+    x = [t.detach().requires_grad_() for t in _inputs(*shape)]
+
+    def op():
+        return torch.ops.xaccel.mlstm(*x, None, None, None, 1e-6, 64)[0]
+    runs = {"xaccel": op}
+    try:
+        from mlstm_kernels.torch import get_mlstm_kernel
+
+        kern = get_mlstm_kernel("chunkwise--triton_limit_chunk")
+        runs["library"] = lambda: kern(q=x[0], k=x[1], v=x[2], i=x[3], f=x[4], chunk_size=64)
+    except ImportError as e:
+        print(f"{shape} library not importable: {e}", flush=True)
+    dh = torch.randn_like(op())
+
+    for name, fn in runs.items():
+        def fwd_bwd(fn=fn):
+            fn().backward(dh)
+        fwd_bwd()
         torch.cuda.synchronize()
-    for e in sorted(p.key_averages(), key=lambda e: -e.device_time_total)[:14]:
-        print(f"{shape} kernel {e.key[:60]:60s} {e.device_time_total / 3 / 1e3:8.3f} ms per fwd+bwd", flush=True)
+        with prof(activities=[ProfilerActivity.CUDA]) as p:
+            for _ in range(3):
+                fwd_bwd()
+            torch.cuda.synchronize()
+        events = sorted(p.key_averages(), key=lambda e: -e.device_time_total)
+        total = sum(e.device_time_total for e in events) / 3 / 1e3
+        print(f"{shape} {name}: GPU kernel time {total:.3f} ms per fwd+bwd (.grad accumulating)", flush=True)
+        for e in events[:16]:
+            print(f"{shape}   {e.device_time_total / 3 / 1e3:8.3f} ms x{e.count // 3:<3d} {e.key[:90]}", flush=True)
+        acc = triton.testing.do_bench(fwd_bwd, warmup=10, rep=50)
+        fresh = triton.testing.do_bench(fwd_bwd, warmup=10, rep=50, grad_to_none=x)
+        print(f"{shape} {name}: fwd+bwd {acc:.3f} ms with .grad accumulating, {fresh:.3f} ms with .grad reset",
+              flush=True)
 
 
 def main():

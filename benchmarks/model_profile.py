@@ -3,8 +3,13 @@ configuration compiled with backend="xaccel"), prefill and one train step under 
 profiler, CUDA kernels grouped by kind. Run on the GPU machine:
 
     XACCEL_TUNE=0 python benchmarks/model_profile.py [--fallback eager|inductor] [--modes prefill,train]
+    python benchmarks/model_profile.py --gemm-floor
 
-XACCEL_TUNE=0 skips first-call tuning (default configs) so the run spends its time profiling."""
+XACCEL_TUNE=0 skips first-call tuning (default configs) so the run spends its time profiling, but
+then the GEMMs are not the ones a tuned run picks. --gemm-floor times cuBLAS alone on every
+nn.Linear of the model at its shape (forward; forward + input and weight gradients), beside the
+anchor's prefill and train step in the same process: the time no backend that uses cuBLAS-class
+GEMMs can go below."""
 from __future__ import annotations
 
 import argparse
@@ -25,14 +30,65 @@ def kind(name: str) -> str:
     return next((k for k, keys in KINDS if any(s in low for s in keys)), "other")
 
 
-def model(mode: str):
+NATIVE = dict(chunkwise_kernel="chunkwise--native_autograd", sequence_kernel="native_sequence__native",
+              step_kernel="native")
+
+
+def model(mode: str, **kernels):
+    """The 7B-width xLSTMLarge, bf16 on CUDA, in its native configuration unless `kernels` says otherwise."""
     from xlstm.xlstm_large.model import xLSTMLarge, xLSTMLargeConfig
 
     cfg = xLSTMLargeConfig(vocab_size=50304, chunk_size=64, mode=mode, return_last_states=mode == "train",
-                           embedding_dim=4096, num_heads=8, num_blocks=4, chunkwise_kernel="chunkwise--native_autograd",
-                           sequence_kernel="native_sequence__native", step_kernel="native")
+                           embedding_dim=4096, num_heads=8, num_blocks=4, **{**NATIVE, **kernels})
     torch.manual_seed(0)
     return xLSTMLarge(cfg).to("cuda", torch.bfloat16)
+
+
+def step(mode: str, m, fn, ids) -> None:
+    """One prefill (inference mode) or train step (zero_grad, forward, fp32 cross-entropy, backward)."""
+    if mode == "prefill":
+        with torch.inference_mode():
+            fn(ids)
+        return
+    m.zero_grad(set_to_none=True)
+    logits = fn(ids)[0]
+    torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten()).backward()
+
+
+def gemm_floor(tokens: int = 4 * 2048) -> None:
+    """cuBLAS alone on the model's linear layers (same shapes, bf16), summed per prefill / train step."""
+    import triton.testing
+    from xlstm.xlstm_large.model import xLSTMLarge, xLSTMLargeConfig
+
+    cfg = xLSTMLargeConfig(vocab_size=50304, embedding_dim=4096, num_heads=8, num_blocks=4)
+    with torch.device("meta"):
+        shapes = [(mod.in_features, mod.out_features) for mod in xLSTMLarge(cfg).modules()
+                  if isinstance(mod, torch.nn.Linear)]
+    fwd_ms = train_ms = flop = 0.0
+    per_shape = {}
+    for K, N in shapes:
+        if (K, N) not in per_shape:
+            x = torch.randn(tokens, K, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
+            dy = torch.randn(tokens, N, device="cuda", dtype=torch.bfloat16)
+            f = triton.testing.do_bench(lambda: x @ w.t(), warmup=10, rep=50)
+            dx = triton.testing.do_bench(lambda: dy @ w, warmup=10, rep=50)
+            dw = triton.testing.do_bench(lambda: dy.t() @ x, warmup=10, rep=50)
+            per_shape[(K, N)] = (f, dx, dw)
+            print(f"  cuBLAS M{tokens} K{K} N{N}: fwd {f:.3f} ms ({2 * tokens * K * N / f / 1e9:.0f} TFLOP/s), "
+                  f"dx {dx:.3f}, dw {dw:.3f}", flush=True)
+        f, dx, dw = per_shape[(K, N)]
+        fwd_ms, train_ms, flop = fwd_ms + f, train_ms + f + dx + dw, flop + 2 * tokens * K * N
+    print(f"GEMM floor ({len(shapes)} linear layers, M{tokens}): prefill {fwd_ms:.3f} ms "
+          f"({flop / fwd_ms / 1e9:.0f} TFLOP/s), train step {train_ms:.3f} ms ({3 * flop / train_ms / 1e9:.0f} TFLOP/s); "
+          f"{flop / 1e12:.2f} TFLOP per forward", flush=True)
+    anchor_cfg = dict(chunkwise_kernel="chunkwise--triton_limit_chunk", sequence_kernel="native_sequence__triton",
+                      step_kernel="triton")
+    for mode in ("prefill", "train"):
+        m = model("inference" if mode == "prefill" else "train", **anchor_cfg)
+        ids = torch.randint(0, 50304, (tokens // 2048, 2048), device="cuda")
+        ms = triton.testing.do_bench(lambda: step(mode, m, m, ids), warmup=3, rep=20)
+        print(f"anchor (xlstm Triton kernels) {mode}: {ms:.3f} ms", flush=True)
 
 
 def profile(mode: str, top: int) -> None:
@@ -43,14 +99,7 @@ def profile(mode: str, top: int) -> None:
     m = model("inference" if mode == "prefill" else "train")
     fn = torch.compile(m, backend="xaccel")
     tokens = torch.randint(0, 50304, (4, 2048), device="cuda")
-
-    def run():
-        if mode == "prefill":
-            with torch.inference_mode():
-                return fn(tokens)
-        m.zero_grad(set_to_none=True)
-        logits = fn(tokens)[0]
-        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+    run = lambda: step(mode, m, fn, tokens)  # noqa: E731
     t0 = time.perf_counter()
     run()
     torch.cuda.synchronize()
@@ -85,7 +134,11 @@ def main() -> None:
     ap.add_argument("--fallback", default=None, help="XACCEL_FALLBACK for this run")
     ap.add_argument("--modes", default="prefill,train")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--gemm-floor", action="store_true", help="cuBLAS alone on the model's GEMMs, and the anchor")
     args = ap.parse_args()
+    if args.gemm_floor:
+        gemm_floor()
+        return
     if args.fallback:
         os.environ["XACCEL_FALLBACK"] = args.fallback
     import torch_xaccel  # noqa: F401 - registers the backend and the library substitutions

@@ -318,6 +318,18 @@ def _any_config_fits(phase: str, DK: int, DV: int, itemsize: int) -> bool:
     return bool((forward_candidates if phase == "fwd" else backward_candidates)(DK, DV, itemsize))
 
 
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """t itself when the kernels can read it in place (unit stride along the head dim; the gates
+    [B, H, S] take any strides), else a contiguous copy: the usual transposed projections
+    ([B, S, H, D] viewed as [B, H, S, D]) then cost no copy in the forward or the backward."""
+    return t if t.dim() == 3 or t.stride(-1) == 1 else t.contiguous()
+
+
+def _rows(*ts: torch.Tensor) -> list[int]:
+    """The kernels' row_args: the head count, then each tensor's batch, head and position strides."""
+    return [ts[0].shape[1]] + [st for t in ts for st in t.stride()[:3]]
+
+
 def chunk_states(k, v, i, f, C0, n0, m0, cfg):
     """Run the sequential scan: (Cs, ns, ms) the state entering each chunk ([B*H*NC*DK*DV] in the
     input dtype, [.. DK] and [..] fp32) and the final state (C, n, m) in fp32: mlstm_chunk_states
@@ -339,7 +351,7 @@ def chunk_states(k, v, i, f, C0, n0, m0, cfg):
     else:
         C0, n0, m0 = C, n, m  # unused by the kernel
     _launch(_kernel("mlstm_chunk_states.py.jinja", k.dtype, has_state=has_state), (B * H, DK // BK, DV // BVS),
-        k, v, i, f, C0, n0, m0, Cs, ns, ms, C, n, m, S, NC, DK ** -0.5,
+        k, v, i, f, C0, n0, m0, Cs, ns, ms, C, n, m, *_rows(k, v, i, f), S, NC, DK ** -0.5,
         DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=_scan_warps(cfg), num_stages=stages)
     return (Cs, ns, ms), (C, n, m)
 
@@ -351,7 +363,7 @@ def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
     S = q.shape[2]
     if not _supported(q, k, v, S, "fwd"):
         return NotImplemented
-    q, k, v, i, f = (t.contiguous() for t in (q, k, v, i, f))
+    q, k, v, i, f = (_strided(t) for t in (q, k, v, i, f))
     cfg = _tuned("fwd", q, v, lambda c: _forward(c, q, k, v, i, f, C0, n0, m0, eps))
     return _forward(cfg, q, k, v, i, f, C0, n0, m0, eps)
 
@@ -363,7 +375,7 @@ def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps):
     (Cs, ns, ms), (C, n, m) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
     h = torch.empty(B, H, S, DV, dtype=q.dtype, device=q.device)
     NC = -(-S // L)
-    args = (q, k, v, i, f, h, Cs, ns, ms, S, NC, DK ** -0.5, eps)
+    args = (q, k, v, i, f, h, Cs, ns, ms, *_rows(q, k, v, i, f), S, NC, DK ** -0.5, eps)
     meta = dict(DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=cfg["warps"], num_stages=cfg["stages"])
     if cfg.get("BKQ"):  # the sliced output kernel (SLICED)
         meta["BKQ"] = cfg["BKQ"]
@@ -405,11 +417,11 @@ def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=
     if not _supported(q, k, v, S, "bwd") or dh is None and gC is None:
         return NotImplemented
     dev, f32 = q.device, torch.float32
-    q, k, v, i, f = (t.contiguous() for t in (q, k, v, i, f))
+    q, k, v, i, f = (_strided(t) for t in (q, k, v, i, f))
     if h is None:
         h = forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size)[0]
     h = h.contiguous()
-    dh = torch.zeros_like(h) if dh is None else dh.contiguous()
+    dh = torch.zeros_like(h) if dh is None else _strided(dh)
     gC = torch.zeros(B, H, DK, DV, device=dev, dtype=f32) if gC is None else gC.float().contiguous()
     gn = torch.zeros(B, H, DK, device=dev, dtype=f32) if gn is None else gn.float().contiguous()
     gm = torch.zeros(B, H, device=dev, dtype=f32) if gm is None else gm.float()
@@ -433,7 +445,7 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h):
     (Cs, ns, ms), (CT, nT, mT) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
     N, dden, hdh, dm = (torch.empty(B, H, S, device=dev, dtype=f32) for _ in range(4))
     _launch(_kernel("mlstm_bwd_rows.py.jinja", q.dtype), (B * H, NC),
-        q, k, i, f, h, dh, ns, ms, N, dden, hdh, dm, S, NC, DK ** -0.5, eps,
+        q, k, i, f, h, dh, ns, ms, N, dden, hdh, dm, *_rows(q, k, i, f, dh), S, NC, DK ** -0.5, eps,
         DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     dCs, dns = torch.empty_like(Cs), torch.empty_like(ns)
     dC0, dn0 = torch.empty_like(gC), torch.empty_like(gn)
@@ -442,14 +454,17 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h):
     dg = torch.empty(B * H, NC, DV // DVS if DGV else NT, device=dev, dtype=f32)
     dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
     _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, dg_elsewhere=DGV), (B * H, DK // BK, DV // BVS),
-        q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0, S, NC, NT,
+        q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0, *_rows(q, dh, i, f), S, NC,
+        NT,
         DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=_scan_warps(cfg), num_stages=stages)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # contiguous gradients, as the op's fake promises (empty_like would copy a transposed q's strides)
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=dev) for t in (q, k, v))
     di, dlogf = torch.empty(B, H, S, device=dev, dtype=f32), torch.empty(B, H, S, device=dev, dtype=f32)
     if DVS:
         kdcv = torch.empty(B * H * NC * (DV // DVS) * L, device=dev, dtype=f32)  # its k.dC.v row sums
         _launch(_kernel("mlstm_bwd_dv.py.jinja", q.dtype, with_dg=DGV), (B * H, NC, DV // DVS),
-            q, k, v, i, f, dh, ms, dCs, N, dv, kdcv, *((Cs, ns, dns, dg) if DGV else ()), S, NC, DK ** -0.5,
+            q, k, v, i, f, dh, ms, dCs, N, dv, kdcv, *((Cs, ns, dns, dg) if DGV else ()), *_rows(q, k, v, i, f, dh), S,
+            NC, DK ** -0.5,
             DK=DK, DV=DV, BV=DVS, L=L, num_warps=warps, num_stages=stages)
     dg = dg.sum(-1)  # per (chunk, tile) parts of the forget term, from the scan or the dv kernel
     DKS = cfg.get("DKS")  # and dq, dk in theirs, one program per DK tile (only with DVS)
@@ -459,11 +474,11 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h):
     _launch(_kernel("mlstm_bwd.py.jinja", q.dtype, split_dv=bool(DVS), dv_tiles=DV // DVS if DVS else 0,
                     split_dqdk=bool(DKS)), (B * H, NC),
         q, k, v, i, f, dh, Cs, ns, ms, dCs, dns, dg, N, dden, hdh, *((dS, wu) if DKS else (dq, dk)),
-        kdcv if DVS else dv, di, dlogf, S, NC, DK ** -0.5, DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps,
+        kdcv if DVS else dv, di, dlogf, *_rows(q, k, v, i, f, dh), S, NC, DK ** -0.5, DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps,
         num_stages=stages)
     if DKS:
         _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype), (B * H, NC, DK // DKS),
-            q, k, v, dh, Cs, ns, dCs, dns, N, dden, dS, wu, dq, dk, S, NC, DK ** -0.5,
+            q, k, v, dh, Cs, ns, dCs, dns, N, dden, dS, wu, dq, dk, *_rows(q, k, v, dh), S, NC, DK ** -0.5,
             DK=DK, DV=DV, BK=DKS, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     dm[..., -1] += gm + dmT.sum(-1).view(B, H)
     i32, f32_ = i.float(), f.float()

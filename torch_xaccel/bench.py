@@ -33,7 +33,7 @@ class Case:
     rows: list = field(default_factory=list)
 
 
-def _bench(fn, train: bool) -> float:
+def _bench(fn, train: bool, grad_to_none=None) -> float:
     if not torch.cuda.is_available():  # CPU smoke runs (`model --quick`): the code path, not a timing
         fn()
         t0 = time.perf_counter()
@@ -41,7 +41,8 @@ def _bench(fn, train: bool) -> float:
         return (time.perf_counter() - t0) * 1e3
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=10 if train else 25, rep=50 if train else 100, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=10 if train else 25, rep=50 if train else 100, return_mode="median",
+                                   grad_to_none=grad_to_none)
 
 
 def _graphed(fn):
@@ -198,7 +199,8 @@ def run_decode_case(case: Case) -> list:
 
 
 def run_mlstm_case(case: Case) -> list:
-    """Rows: xaccel (torch.ops.xaccel.mlstm, Triton chunkwise forward; fwd+bwd), the xLSTM kernel library's
+    """Rows: xaccel (torch.ops.xaccel.mlstm, Triton chunkwise forward; fwd+bwd with .grad accumulating,
+    as the anchors' script measures, and reset to None before each call), the xLSTM kernel library's
     triton_limit_chunk if it is importable (carry its wheels), causal SDPA on the same q/k/v when
     DQK == DV. 'TFLOP/s' here is GB/s over the memory floor (one read of inputs, one write of h)."""
     q, k, v, i, f = case.make()
@@ -223,7 +225,17 @@ def run_mlstm_case(case: Case) -> list:
     def fwd_bwd():
         h = torch.ops.xaccel.mlstm(qg, kg, vg, ig, fg, None, None, None, 1e-6, 64)[0]
         h.backward(torch.ones_like(h))
+    leaves = [qg, kg, vg, ig, fg]
     add("xaccel fwd+bwd", _bench(fwd_bwd, True))
+    # .grad set to None before each call (as after optimizer.zero_grad()): no accumulation into old grads
+    add("xaccel fwd+bwd, .grad reset", _bench(fwd_bwd, True, leaves))
+    # the layout a model hands over: [B, S, H, D] projections viewed as [B, H, S, D] (read in place)
+    views = [t.transpose(1, 2).contiguous().transpose(1, 2).detach().requires_grad_() for t in (q, k, v, i, f)]
+
+    def fwd_bwd_views():
+        h = torch.ops.xaccel.mlstm(*views, None, None, None, 1e-6, 64)[0]
+        h.backward(torch.ones_like(h))
+    add("xaccel fwd+bwd, transposed-view inputs, .grad reset", _bench(fwd_bwd_views, True, views))
     with torch.no_grad():
         try:
             from mlstm_kernels.torch import get_mlstm_kernel
@@ -235,6 +247,7 @@ def run_mlstm_case(case: Case) -> list:
                     h = kern(q=qg, k=kg, v=vg, i=ig, f=fg, chunk_size=64)
                     h.backward(torch.ones_like(h))
                 add("xLSTM library fwd+bwd", _bench(lib_fwd_bwd, True))
+                add("xLSTM library fwd+bwd, .grad reset", _bench(lib_fwd_bwd, True, leaves))
         except Exception as e:  # noqa: BLE001 - an anchor that cannot run is reported, not fatal
             print(f"  xLSTM library anchor not run: {type(e).__name__}: {str(e)[:120]}")
         if q.shape[-1] == v.shape[-1]:
