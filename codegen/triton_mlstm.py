@@ -318,11 +318,14 @@ def _any_config_fits(phase: str, DK: int, DV: int, itemsize: int) -> bool:
     return bool((forward_candidates if phase == "fwd" else backward_candidates)(DK, DV, itemsize))
 
 
+READ_STRIDED = True  # False: copy every non-contiguous input first (benchmarks/mlstm_layout_probe.py times both)
+
+
 def _strided(t: torch.Tensor) -> torch.Tensor:
     """t itself when the kernels can read it in place (unit stride along the head dim; the gates
     [B, H, S] take any strides), else a contiguous copy: the usual transposed projections
     ([B, S, H, D] viewed as [B, H, S, D]) then cost no copy in the forward or the backward."""
-    return t if t.dim() == 3 or t.stride(-1) == 1 else t.contiguous()
+    return t if READ_STRIDED and (t.dim() == 3 or t.stride(-1) == 1) else t.contiguous()
 
 
 def _rows(*ts: torch.Tensor) -> list[int]:
