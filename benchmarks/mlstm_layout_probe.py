@@ -46,16 +46,10 @@ def op_rows(shape):
 
 
 def profile(shape, label, fn):
-    from torch.profiler import ProfilerActivity, profile as prof
+    from mlstm_sweep import kernel_times
 
-    fn()
-    torch.cuda.synchronize()
-    with prof(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-    for e in sorted(p.key_averages(), key=lambda e: -e.device_time_total)[:10]:
-        print(f"{shape} {label}:   {e.device_time_total / 3 / 1e3:7.3f} ms x{e.count // 3:<3d} {e.key[:80]}", flush=True)
+    for ms, n, key in kernel_times(fn)[1][:10]:
+        print(f"{shape} {label}:   {ms:7.3f} ms x{n:<3d} {key[:80]}", flush=True)
 
 
 def model_rows():

@@ -53,13 +53,27 @@ def sweep(shape, fwd_cfgs, bwd_cfgs):
     tm.backward_config = default_b
 
 
+def kernel_times(fn, calls: int = 3):
+    """(GPU kernel ms per call, [(ms per call, launches per call, kernel name)] longest first) of fn
+    under the torch profiler, after one unprofiled call."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    fn()
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = sorted(p.key_averages(), key=lambda e: -e.device_time_total)
+    rows = [(e.device_time_total / calls / 1e3, e.count // calls, e.key) for e in events]
+    return sum(r[0] for r in rows), rows
+
+
 def profile(shape):
     """Per-kernel CUDA time of one forward + backward through the op and autograd (glue, casts and
     the .grad accumulation included), at the default configs; then the op's fwd+bwd timed with
     .grad accumulating (as the bench and the anchors' script do) and with .grad reset to None before
     each call (as after optimizer.zero_grad()), beside the xLSTM library's when importable."""
-    from torch.profiler import ProfilerActivity, profile as prof
-
     x = [t.detach().requires_grad_() for t in _inputs(*shape)]
 
     def op():
@@ -77,17 +91,10 @@ def profile(shape):
     for name, fn in runs.items():
         def fwd_bwd(fn=fn):
             fn().backward(dh)
-        fwd_bwd()
-        torch.cuda.synchronize()
-        with prof(activities=[ProfilerActivity.CUDA]) as p:
-            for _ in range(3):
-                fwd_bwd()
-            torch.cuda.synchronize()
-        events = sorted(p.key_averages(), key=lambda e: -e.device_time_total)
-        total = sum(e.device_time_total for e in events) / 3 / 1e3
+        total, rows = kernel_times(fwd_bwd)
         print(f"{shape} {name}: GPU kernel time {total:.3f} ms per fwd+bwd (.grad accumulating)", flush=True)
-        for e in events[:16]:
-            print(f"{shape}   {e.device_time_total / 3 / 1e3:8.3f} ms x{e.count // 3:<3d} {e.key[:90]}", flush=True)
+        for ms, n, key in rows[:16]:
+            print(f"{shape}   {ms:8.3f} ms x{n:<3d} {key[:90]}", flush=True)
         acc = triton.testing.do_bench(fwd_bwd, warmup=10, rep=50)
         fresh = triton.testing.do_bench(fwd_bwd, warmup=10, rep=50, grad_to_none=x)
         print(f"{shape} {name}: fwd+bwd {acc:.3f} ms with .grad accumulating, {fresh:.3f} ms with .grad reset",
