@@ -324,8 +324,13 @@ READ_STRIDED = True  # False: copy every non-contiguous input first (benchmarks/
 def _strided(t: torch.Tensor) -> torch.Tensor:
     """t itself when the kernels can read it in place (unit stride along the head dim; the gates
     [B, H, S] take any strides), else a contiguous copy: the usual transposed projections
-    ([B, S, H, D] viewed as [B, H, S, D]) then cost no copy in the forward or the backward."""
-    return t if READ_STRIDED and (t.dim() == 3 or t.stride(-1) == 1) else t.contiguous()
+    ([B, S, H, D] viewed as [B, H, S, D]) then cost no copy in the forward or the backward.
+    Also a copy when its farthest element lies 2^31 or more elements from its start (e.g. q
+    sliced from a wide fused projection): the kernels compute offsets in int32."""
+    if not READ_STRIDED or (t.dim() == 4 and t.stride(-1) != 1) or t.numel() == 0:
+        return t.contiguous()
+    reach = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t if reach < 2 ** 31 else t.contiguous()
 
 
 def _rows(*ts: torch.Tensor) -> list[int]:

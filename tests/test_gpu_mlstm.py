@@ -51,19 +51,23 @@ def _compile_concurrently(fwd, bwd, x, st, cots, h):
 def test_every_tuning_candidate_matches_reference(DK, DV):
     """Whatever config tuning picks must be right: each forward and backward candidate against
     the fp64 reference / analytic backward, bf16, odd S, with a state (DQK 512: its own, smaller
-    configs). Inputs and dh are transposed views ([B, S, H, D] seen as [B, H, S, D]), as a model's
-    projections hand them over: the kernels read them through their strides."""
+    configs). Inputs and dh are views as a model's projections hand them over, each in its own
+    layout so that a swapped stride shows: q and i transposed ([B, S, H, D] seen as [B, H, S, D]),
+    k and dh sliced from wider rows (a fused projection), v and f contiguous. The kernels read
+    them through their strides."""
     from torch_xaccel.codegen import triton_mlstm
     from torch_xaccel.ops.mlstm_backward import backward as analytic
 
     torch.manual_seed(DK)
     B, H, S = 2, 2, 333
     mk = lambda *s: torch.randn(*s, device="cuda")  # noqa: E731
-    seq = lambda *d: torch.randn(B, S, H, *d, device="cuda").transpose(1, 2)  # noqa: E731
-    x = [seq(DK).bfloat16(), seq(DK).bfloat16(), seq(DV).bfloat16(), seq(), seq() + 3]
+    tr = lambda *d: torch.randn(B, S, H, *d, device="cuda").transpose(1, 2)  # noqa: E731
+    # (a cast would make the slice dense: draw it in its dtype)
+    wide = lambda D, dt: torch.randn(B, S, H, 2 * D, device="cuda", dtype=dt)[..., :D].transpose(1, 2)  # noqa: E731
+    x = [tr(DK).bfloat16(), wide(DK, torch.bfloat16), mk(B, H, S, DV).bfloat16(), tr(), mk(B, H, S) + 3]
     st = [mk(B, H, DK, DV) * .1, mk(B, H, DK) * .1, mk(B, H)]
     want = mlstm.reference(*(t.double() for t in x + st))
-    cots = [seq(DV), mk(B, H, DK, DV), mk(B, H, DK), mk(B, H)]
+    cots = [wide(DV, torch.float32), mk(B, H, DK, DV), mk(B, H, DK), mk(B, H)]
     want_g = analytic(*(c.double() for c in cots), *(t.double() for t in x + st))
     _compile_concurrently(triton_mlstm.forward_candidates(DK, DV), triton_mlstm.backward_candidates(DK, DV),
                           x, st, cots, want[0].to(torch.bfloat16))
