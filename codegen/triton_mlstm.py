@@ -181,15 +181,16 @@ SPLIT3 = dict(L=64, BV=64, BK=64, BVS=128, warps=4, stages=2, DVS=64, DKS=128)
 # and 6.72 for dv alone split off and 5.21 / 6.63 for the single per-chunk kernel; DKS 64: 4.27 /
 # 6.28, DVS 128 (DKS 64): 4.24 / 6.15, 3 stages 4.23 / 6.14, DKS 32 4.76 / 6.87, L128 12.0 / 9.2.
 # The reverse scan it runs (0.99 / 1.93 ms, profiled before the split) also reads every stored
-# chunk state for the forget term; DGV moves that to the dv kernel (not yet timed).
+# chunk state for the forget term; DGV moves that to the dv kernel and lost on the H200 (seventh
+# session: 4.22 / 6.14 against 4.06-4.11 / 5.89-6.00 ms for SPLIT3 and its DVS 128 variant).
 
 
 def backward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
     """Same keys, plus DVS (dv in its own kernel, one program per chunk and DVS-wide DV tile),
     DKS (dq and dk in theirs, one program per chunk and DKS-wide DK tile; only with DVS) and DGV
     (the forget term exp(g + m) <dC, C> in the dv kernel instead of the sequential state-gradient
-    scan, which then reads no stored state: built after the sixth session's device time ran out,
-    interpreter-checked, not yet timed; only with DVS). Below DQK 512 in bf16/fp16 the first is
+    scan, which then reads no stored state; 3 % slower on the H200, kept for other GPUs; only
+    with DVS). Below DQK 512 in bf16/fp16 the first is
     SPLIT3 (the fastest at both benchmark shapes), its variants, then the single per-chunk kernel
     (chunk 64, DV tile 32; 5.2-5.5 ms and 6.6 ms), which stays the tuner's agreement reference.
     DQK 512: L64 x BV32 asks 290 KB of shared memory on the H200 (over the 227 KB limit); L32 x
@@ -462,18 +463,16 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h):
     dg = torch.empty(B * H, NC, DV // DVS if DGV else NT, device=dev, dtype=f32)
     dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
     _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, dg_elsewhere=DGV), (B * H, DK // BK, DV // BVS),
-        q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0, *_rows(q, dh, i, f), S, NC,
-        NT,
-        DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=_scan_warps(cfg), num_stages=stages)
+        q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0,
+        *_rows(q, dh, i, f), S, NC, NT, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=_scan_warps(cfg), num_stages=stages)
     # contiguous gradients, as the op's fake promises (empty_like would copy a transposed q's strides)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=dev) for t in (q, k, v))
     di, dlogf = torch.empty(B, H, S, device=dev, dtype=f32), torch.empty(B, H, S, device=dev, dtype=f32)
     if DVS:
         kdcv = torch.empty(B * H * NC * (DV // DVS) * L, device=dev, dtype=f32)  # its k.dC.v row sums
         _launch(_kernel("mlstm_bwd_dv.py.jinja", q.dtype, with_dg=DGV), (B * H, NC, DV // DVS),
-            q, k, v, i, f, dh, ms, dCs, N, dv, kdcv, *((Cs, ns, dns, dg) if DGV else ()), *_rows(q, k, v, i, f, dh), S,
-            NC, DK ** -0.5,
-            DK=DK, DV=DV, BV=DVS, L=L, num_warps=warps, num_stages=stages)
+            q, k, v, i, f, dh, ms, dCs, N, dv, kdcv, *((Cs, ns, dns, dg) if DGV else ()),
+            *_rows(q, k, v, i, f, dh), S, NC, DK ** -0.5, DK=DK, DV=DV, BV=DVS, L=L, num_warps=warps, num_stages=stages)
     dg = dg.sum(-1)  # per (chunk, tile) parts of the forget term, from the scan or the dv kernel
     DKS = cfg.get("DKS")  # and dq, dk in theirs, one program per DK tile (only with DVS)
     if DKS:  # dS scratch: L/DK of q's size (128 MiB at B8 NH16 S8192 128/128)
@@ -482,8 +481,8 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h):
     _launch(_kernel("mlstm_bwd.py.jinja", q.dtype, split_dv=bool(DVS), dv_tiles=DV // DVS if DVS else 0,
                     split_dqdk=bool(DKS)), (B * H, NC),
         q, k, v, i, f, dh, Cs, ns, ms, dCs, dns, dg, N, dden, hdh, *((dS, wu) if DKS else (dq, dk)),
-        kdcv if DVS else dv, di, dlogf, *_rows(q, k, v, i, f, dh), S, NC, DK ** -0.5, DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps,
-        num_stages=stages)
+        kdcv if DVS else dv, di, dlogf, *_rows(q, k, v, i, f, dh), S, NC, DK ** -0.5,
+        DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     if DKS:
         _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype), (B * H, NC, DK // DKS),
             q, k, v, dh, Cs, ns, dCs, dns, N, dden, dS, wu, dq, dk, *_rows(q, k, v, dh), S, NC, DK ** -0.5,

@@ -220,22 +220,20 @@ def run_mlstm_case(case: Case) -> list:
         err = ((got.double() - want).norm() / want.norm()).item()
         add("xaccel (Triton chunkwise fwd)", _bench(lambda: torch.ops.xaccel.mlstm(q, k, v, i, f, None, None, None, 1e-6, 64),
                                                    False), f"rel err vs fp64 reference (B1 NH2 slice) {err:.1e}")
-    qg, kg, vg, ig, fg = (t.detach().requires_grad_() for t in (q, k, v, i, f))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, i, f)]
+    qg, kg, vg, ig, fg = leaves
 
-    def fwd_bwd():
-        h = torch.ops.xaccel.mlstm(qg, kg, vg, ig, fg, None, None, None, 1e-6, 64)[0]
-        h.backward(torch.ones_like(h))
-    leaves = [qg, kg, vg, ig, fg]
-    add("xaccel fwd+bwd", _bench(fwd_bwd, True))
+    def op_fwd_bwd(xs):
+        def run():
+            h = torch.ops.xaccel.mlstm(*xs, None, None, None, 1e-6, 64)[0]
+            h.backward(torch.ones_like(h))
+        return run
+    add("xaccel fwd+bwd", _bench(op_fwd_bwd(leaves), True))
     # .grad set to None before each call (as after optimizer.zero_grad()): no accumulation into old grads
-    add("xaccel fwd+bwd, .grad reset", _bench(fwd_bwd, True, leaves))
+    add("xaccel fwd+bwd, .grad reset", _bench(op_fwd_bwd(leaves), True, leaves))
     # the layout a model hands over: [B, S, H, D] projections viewed as [B, H, S, D] (read in place)
     views = [t.transpose(1, 2).contiguous().transpose(1, 2).detach().requires_grad_() for t in (q, k, v, i, f)]
-
-    def fwd_bwd_views():
-        h = torch.ops.xaccel.mlstm(*views, None, None, None, 1e-6, 64)[0]
-        h.backward(torch.ones_like(h))
-    add("xaccel fwd+bwd, transposed-view inputs, .grad reset", _bench(fwd_bwd_views, True, views))
+    add("xaccel fwd+bwd, transposed-view inputs, .grad reset", _bench(op_fwd_bwd(views), True, views))
     with torch.no_grad():
         try:
             from mlstm_kernels.torch import get_mlstm_kernel
