@@ -76,8 +76,8 @@ def profile(shape):
     each call (as after optimizer.zero_grad()), beside the xLSTM library's when importable."""
     x = [t.detach().requires_grad_() for t in _inputs(*shape)]
 
-    def op():
-        return torch.ops.xaccel.mlstm(*x, None, None, None, 1e-6, 64)[0]
+    def op():  # what a training graph runs: the backward reads the forward's chunk states
+        return torch.ops.xaccel.mlstm_with_chunk_states(*x, None, None, None, 1e-6, 64)[0]
     runs = {"xaccel": op}
     try:
         from mlstm_kernels.torch import get_mlstm_kernel

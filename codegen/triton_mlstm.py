@@ -224,9 +224,11 @@ _CHOSEN: dict = {}
 TUNE = True  # False: always the default config (benchmarks/mlstm_sweep.py times configs itself)
 
 
-def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch) -> dict:
+def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch, kept: bool = False) -> dict:
     """The fastest candidate for this phase and shape class, timed once (launch(cfg) runs the
-    phase) and persisted under XACCEL_CACHE_DIR like the GEMM tuning; without CUDA, the default."""
+    phase) and persisted under XACCEL_CACHE_DIR like the GEMM tuning; without CUDA, the default.
+    kept: a backward with the forward's chunk states (its own decision: the scan it skips is
+    part of the time)."""
     B, H, S, DK = q.shape
     DV = v.shape[-1]
     size = q.element_size()
@@ -235,7 +237,7 @@ def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch) -> dict:
         return config(DK, DV, size)
     import triton
 
-    key = (f"mlstm_{phase}|{q.dtype}|DK{DK}|DV{DV}|S~{1 << (S - 1).bit_length()}|BH~{1 << (B * H - 1).bit_length()}|"
+    key = (f"mlstm_{phase}{'|kept' if kept else ''}|{q.dtype}|DK{DK}|DV{DV}|S~{1 << (S - 1).bit_length()}|BH~{1 << (B * H - 1).bit_length()}|"
            f"{torch.cuda.get_device_name(q.device)}|torch{torch.__version__}|triton{triton.__version__}|"
            f"tpl{template_digest()}|tv{cache.TUNING_VERSION}")
     if key in _CHOSEN:
@@ -365,19 +367,32 @@ def chunk_states(k, v, i, f, C0, n0, m0, cfg):
     return (Cs, ns, ms), (C, n, m)
 
 
-def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
+def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size, keep_chunk_states=False):
     """Kernel path for xaccel::mlstm's forward, or NotImplemented for cases it does not cover: the
     chunk-state scan, then every chunk's output in parallel. chunk_size only shapes the
-    reference's evaluation; the kernels pick their own chunk length (results agree to rounding)."""
+    reference's evaluation; the kernels pick their own chunk length (results agree to rounding).
+    keep_chunk_states (xaccel::mlstm_with_chunk_states): also return the state entering each chunk
+    of chunk_size positions: the scan's own output when its chunk is chunk_size, else a second scan."""
     S = q.shape[2]
-    if not _supported(q, k, v, S, "fwd"):
+    if not _supported(q, k, v, S, "fwd") or keep_chunk_states and chunk_size not in CHUNKS:
         return NotImplemented
     q, k, v, i, f = (_strided(t) for t in (q, k, v, i, f))
     cfg = _tuned("fwd", q, v, lambda c: _forward(c, q, k, v, i, f, C0, n0, m0, eps))
-    return _forward(cfg, q, k, v, i, f, C0, n0, m0, eps)
+    h, C, n, m, states = _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, keep=True)
+    if not keep_chunk_states:
+        return h, C, n, m
+    if cfg["L"] != chunk_size:
+        states = chunk_states(k, v, i, f, C0, n0, m0, dict(cfg, L=chunk_size))[0]
+    from torch_xaccel.ops.mlstm import chunk_states_shapes
+
+    Cs, ns, ms = (t.view(shape) for t, (shape, _) in zip(states, chunk_states_shapes(q, v, chunk_size)))
+    return h, C, n, m, Cs, ns, ms
 
 
-def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps):
+CHUNKS = (16, 32, 64, 128)  # chunk lengths the kernels take (the kept states' chunk_size among them)
+
+
+def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, keep=False):
     B, H, S, DK = q.shape
     DV = v.shape[-1]
     L = cfg["L"]
@@ -390,6 +405,8 @@ def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps):
         meta["BKQ"] = cfg["BKQ"]
     _launch(_kernel("mlstm_fwd.py.jinja", q.dtype, k_loop=bool(cfg.get("BKQ"))), (B * H, NC, DV // cfg["BV"]), *args,
             **meta)
+    if keep:
+        return h, C, n, m, (Cs, ns, ms)
     return h, C, n, m
 
 
@@ -415,12 +432,13 @@ def step(key, q, k, v, i, f, C, n, m, eps, scale_q=False):
     return h, C2, n2, m2
 
 
-def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=None):
+def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=None, chunk_states=()):
     """Kernel path for xaccel::mlstm's backward (same contract as ops/mlstm_backward.backward), or
-    NotImplemented. Four launches: the chunk-state scan again, per-row normalizer terms (from the
-    saved output h; recomputed when absent), the reverse state-gradient scan, then every chunk's
-    dq, dk, dv and gate gradients in parallel. The eps term is routed through the stabilizer max
-    here in torch (a cummax over [B, H, S])."""
+    NotImplemented. Four launches: the chunk-state scan again (skipped when the forward kept its
+    states, chunk_states = [Cs, ns, ms, C, n, m] at chunk_size, and the config's chunk is
+    chunk_size), per-row normalizer terms (from the saved output h; recomputed when absent), the
+    reverse state-gradient scan, then every chunk's dq, dk, dv and gate gradients in parallel.
+    The eps term is routed through the stabilizer max here in torch (a cummax over [B, H, S])."""
     B, H, S, DK = q.shape
     DV = v.shape[-1]
     if not _supported(q, k, v, S, "bwd") or dh is None and gC is None:
@@ -434,11 +452,29 @@ def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=
     gC = torch.zeros(B, H, DK, DV, device=dev, dtype=f32) if gC is None else gC.float().contiguous()
     gn = torch.zeros(B, H, DK, device=dev, dtype=f32) if gn is None else gn.float().contiguous()
     gm = torch.zeros(B, H, device=dev, dtype=f32) if gm is None else gm.float()
-    cfg = _tuned("bwd", q, v, lambda c: _backward(c, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h))
-    return _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h)
+    kept = _kept_states(chunk_states, q, v, chunk_size)
+    cfg = _tuned("bwd", q, v, lambda c: _backward(c, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept),
+                 kept=kept is not None)
+    return _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept)
 
 
-def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h):
+def _kept_states(chunk_states, q, v, chunk_size):
+    """(chunk_size, (Cs, ns, ms) flat as chunk_states() returns them, (C, n, m)) from the forward's
+    kept states, or None when there are none or they do not have the layout the kernels read
+    (then the backward reruns the scan)."""
+    if not chunk_states:
+        return None
+    from torch_xaccel.ops.mlstm import chunk_states_shapes
+
+    Cs, ns, ms, C, n, m = chunk_states
+    want = chunk_states_shapes(q, v, chunk_size)
+    if any(tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous()
+           for t, (shape, dtype) in zip((Cs, ns, ms), want)) or ns.dtype != torch.float32:
+        return None
+    return chunk_size, (Cs.view(-1), ns.view(-1), ms.view(-1)), tuple(t.float().contiguous() for t in (C, n, m))
+
+
+def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None):
     import torch.nn.functional as F
 
     from torch_xaccel.ops.mlstm_backward import _route_max_grad
@@ -451,7 +487,10 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h):
     dev, f32 = q.device, torch.float32
     L, BK, BVS, warps, stages = cfg["L"], cfg["BK"], cfg["BVS"], cfg["warps"], cfg["stages"]
     NC, NT = -(-S // L), (DK // BK) * (DV // BVS)
-    (Cs, ns, ms), (CT, nT, mT) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
+    if kept is not None and kept[0] == L:  # the forward's states: no second scan
+        (Cs, ns, ms), (CT, nT, mT) = kept[1:]
+    else:
+        (Cs, ns, ms), (CT, nT, mT) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
     N, dden, hdh, dm = (torch.empty(B, H, S, device=dev, dtype=f32) for _ in range(4))
     _launch(_kernel("mlstm_bwd_rows.py.jinja", q.dtype), (B * H, NC),
         q, k, i, f, h, dh, ns, ms, N, dden, hdh, dm, *_rows(q, k, i, f, dh), S, NC, DK ** -0.5, eps,

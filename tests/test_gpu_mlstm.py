@@ -164,15 +164,17 @@ def test_forward_kernel_matches_reference(dtype, B, H, S, DK, DV, with_state):
         assert rel_err(g, w) <= 1e-2
 
 
+@pytest.mark.parametrize("op", ["mlstm", "mlstm_with_chunk_states"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_op_forward_and_gradients_through_kernels(dtype):
-    """The op end to end (forward kernels, backward kernels fed the saved h) against autograd of
-    the fp64 reference: h within 1e-2, every gradient within 5e-2 (bf16 inputs)."""
+def test_op_forward_and_gradients_through_kernels(dtype, op):
+    """The op end to end (forward kernels, backward kernels fed the saved h, and with
+    mlstm_with_chunk_states the forward's chunk states) against autograd of the fp64 reference:
+    h within 1e-2, every gradient within 5e-2 (bf16 inputs)."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 2, 211, 64, device="cuda").to(dtype).requires_grad_() for _ in range(3))
     i = torch.randn(2, 2, 211, device="cuda", requires_grad=True)
     f = (torch.randn(2, 2, 211, device="cuda") + 3).requires_grad_()
-    h, C, n, m = torch.ops.xaccel.mlstm(q, k, v, i, f, None, None, None, 1e-6, 64)
+    h, C, n, m = getattr(torch.ops.xaccel, op)(q, k, v, i, f, None, None, None, 1e-6, 64)[:4]
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v, i, f)]
     want = mlstm.reference(*leaves)[0]
     assert rel_err(h, want) <= 1e-2
@@ -223,6 +225,9 @@ def test_backward_kernel_matches_analytic_backward(B, H, S, DK, DV, with_state):
     assert got is not NotImplemented
     want = analytic(*(c.double() for c in cots), *(t.double() for t in x), *(t.double() if t is not None else None for t in st))
     _assert_grads_close(got, want, *st[:2])
+    # from the chunk states a training graph's forward keeps (no second scan where the chunk is 64)
+    h, C, n, m, *kept = triton_mlstm.forward(None, *x, *st, 1e-6, 64, keep_chunk_states=True)
+    _assert_grads_close(triton_mlstm.backward(None, *cots, *x, *st, 1e-6, 64, h, [*kept, C, n, m]), want, *st[:2])
 
 
 def test_first_call_inside_a_cuda_graph_capture_uses_the_default_and_persists_nothing(monkeypatch, tmp_path):

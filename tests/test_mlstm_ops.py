@@ -80,6 +80,31 @@ def test_ops_gradcheck_with_and_without_state():
     assert torch.autograd.gradcheck(lambda *a: torch.ops.xaccel.mlstm_step(*a, 1e-6), step, atol=1e-6)
 
 
+@pytest.mark.parametrize("with_state", [False, True])
+def test_op_with_chunk_states_keeps_the_state_entering_each_chunk(with_state):
+    """xaccel::mlstm_with_chunk_states (a training graph's mlstm): outputs 0-3 are mlstm's, and
+    kept state c is the final state after the first c chunks (the reference run on them alone);
+    its gradients pass gradcheck (the kept states carry no gradient)."""
+    x, state = _inputs(S=37, seed=3)
+    st = state if with_state else (None, None, None)
+    got = torch.ops.xaccel.mlstm_with_chunk_states(*x, *st, 1e-6, 8)
+    for a, b in zip(got[:4], torch.ops.xaccel.mlstm(*x, *st, 1e-6, 8)):
+        assert torch.equal(a, b)
+    Cs, ns, ms = got[4:]
+    assert Cs.shape == (2, 3, 5, 8, 12) and ns.shape == (2, 3, 5, 8) and ms.shape == (2, 3, 5)
+    if not with_state:  # nothing before the first chunk: zero state, m = -inf
+        assert not Cs[:, :, 0].any() and not ns[:, :, 0].any() and torch.isneginf(ms[:, :, 0]).all()
+    for c in range(1, 5):
+        _, C, n, m = mlstm.reference(*(t[:, :, :8 * c] for t in x), *st, chunk_size=8)
+        assert _rel(Cs[:, :, c], C) < 1e-12 and _rel(ns[:, :, c], n) < 1e-12 and _rel(ms[:, :, c], m) < 1e-12
+    xg, stg = _inputs(B=1, H=2, S=11, DK=4, DV=3, grad=True)
+    args = (*xg, *stg) if with_state else xg
+    op = torch.ops.xaccel.mlstm_with_chunk_states
+    fn = (lambda *a: op(*a, 1e-6, 4)[:4]) if with_state else (lambda *a: op(*a, None, None, None, 1e-6, 4)[0])
+    assert torch.autograd.gradcheck(fn, args, atol=1e-6)
+    assert not any(t.requires_grad for t in op(*args, *([] if with_state else [None] * 3), 1e-6, 4)[4:])
+
+
 def test_ops_trace_under_compile_with_dynamic_shapes():
     def g(q, k, v, i, f):
         h, C, n, m = torch.ops.xaccel.mlstm(q, k, v, i, f, None, None, None, 1e-6, 8)

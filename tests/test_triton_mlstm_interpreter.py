@@ -206,3 +206,85 @@ def test_kernels_read_transposed_inputs_in_place(monkeypatch):
     assert not fused.is_contiguous() and tm._strided(fused).is_contiguous()
     one = fused[:1]  # reaches 2e8 elements: read in place
     assert tm._strided(one) is one
+
+
+def test_backward_reads_kept_chunk_states_instead_of_rescanning(monkeypatch):
+    """xaccel::mlstm_with_chunk_states (what a training graph runs) hands its backward the states
+    entering each chunk: the backward then launches no chunk-state scan when its chunk length is
+    the states' chunk_size, and rescans when it is not (a kept state of another chunking would be
+    the wrong state). The values: the interpreter test below."""
+    import torch
+
+    from torch_xaccel.codegen import triton_mlstm as tm
+
+    launched = []
+    monkeypatch.setattr(tm, "_kernel", lambda template, dtype, **extra: template)
+    monkeypatch.setattr(tm, "_launch", lambda kernel, grid, *args, **meta: launched.append(kernel))
+    B, H, S, DK, DV = 2, 3, 100, 16, 32
+    x, dh = [torch.randn(B, H, S, DK), torch.randn(B, H, S, DK), torch.randn(B, H, S, DV), torch.randn(B, H, S),
+             torch.randn(B, H, S)], torch.randn(B, H, S, DV)
+    L = tm.backward_config(DK, DV, 4)["L"]
+    assert tm.forward_config(DK, DV, 4)["L"] == L
+    for chunk, scans_fwd, scans_bwd in ((L, 1, 0), (L // 2, 2, 1)):
+        launched.clear()
+        h, C, n, m, Cs, ns, ms = tm.forward(None, *x, None, None, None, 1e-6, chunk, keep_chunk_states=True)
+        assert Cs.shape == (B, H, -(-S // chunk), DK, DV) and ns.shape == (B, H, -(-S // chunk), DK)
+        assert launched.count("mlstm_chunk_states.py.jinja") == scans_fwd
+        launched.clear()
+        tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, chunk, h, [Cs, ns, ms, C, n, m])
+        assert launched.count("mlstm_chunk_states.py.jinja") == scans_bwd
+        assert "mlstm_bwd.py.jinja" in launched
+    # states of the wrong shape (another chunking, say) are not read: the backward rescans
+    launched.clear()
+    tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, L, h, [Cs, ns, ms, C, n, m])
+    assert launched.count("mlstm_chunk_states.py.jinja") == 1
+
+
+KEPT_SCRIPT = textwrap.dedent("""
+    import os, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    from torch_xaccel.ops import mlstm
+    from torch_xaccel.ops.mlstm_backward import backward as analytic
+    from torch_xaccel.codegen import triton_mlstm
+    torch.manual_seed(2)
+    bad = 0
+    L = triton_mlstm.forward_config(16, 32)["L"]
+
+    def rel(g, w):  # kept m is -inf before the first write without an initial state: those must agree
+        g, w = g.double(), w.double()
+        if not torch.equal(g.isinf(), w.isinf()) or not torch.equal(g[g.isinf()], w[w.isinf()]):
+            return float("inf")
+        g, w = g.nan_to_num(posinf=0.0, neginf=0.0), w.nan_to_num(posinf=0.0, neginf=0.0)
+        return ((g - w).norm() / w.norm()).item()
+
+    for B, H, S, DK, DV, with_state in [(2, 3, 37, 16, 32, False), (1, 2, 45, 32, 16, True)]:
+        x = [torch.randn(B, S, H, DK).transpose(1, 2), torch.randn(B, H, S, DK), torch.randn(B, H, S, DV),
+             torch.randn(B, H, S), torch.randn(B, H, S) + 2]
+        st = [torch.randn(B, H, DK, DV) * .1, torch.randn(B, H, DK) * .1, torch.randn(B, H)] if with_state else [None] * 3
+        cots = [torch.randn(B, H, S, DV), torch.randn(B, H, DK, DV), torch.randn(B, H, DK), torch.randn(B, H)]
+        want_g = analytic(*(c.double() for c in cots), *(t.double() for t in x),
+                          *(t.double() if t is not None else None for t in st), chunk_size=64)
+        for chunk in (L, 2 * L):  # the forward's own scan, and a second scan at another chunk
+            want = mlstm.reference(*(t.double() for t in x), *(t.double() if t is not None else None for t in st),
+                                   chunk_size=chunk, keep_chunk_states=True)
+            got = triton_mlstm.forward(None, *x, *st, 1e-6, chunk, keep_chunk_states=True)
+            errs = [rel(g, w) for g, w in zip(got, want)]
+            # the kernels' backward on kept states: its own, and the reference's (a forward that fell back)
+            kept_ref = [t.float() for t in mlstm.reference(*x, *st, chunk_size=chunk, keep_chunk_states=True)]
+            for source, outs in (("kernels", got), ("reference", kept_ref)):
+                g = triton_mlstm.backward(None, *cots, *x, *st, 1e-6, chunk, outs[0], [*outs[4:], *outs[1:4]])
+                errs += [((a.double() - w).norm() / w.norm()).item() for a, w in zip(g, want_g) if w is not None]
+            print((B, H, S, DK, DV, with_state, chunk), " ".join(f"{e:.1e}" for e in errs))
+            bad += not all(e <= 1e-5 for e in errs)  # NaN fails too
+    raise SystemExit(bad)
+""")
+
+
+def test_kept_chunk_states_match_reference_in_interpreter(tmp_path):
+    """Forward with kept chunk states (at the kernels' chunk and at twice it) equal to the
+    reference's kept states in float64; the backward from kept states (the kernels' own, and the
+    reference's, as after a forward that fell back) equal to the analytic backward."""
+    env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", KEPT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.count("\n") == 4, proc.stdout

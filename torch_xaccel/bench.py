@@ -199,8 +199,10 @@ def run_decode_case(case: Case) -> list:
 
 
 def run_mlstm_case(case: Case) -> list:
-    """Rows: xaccel (torch.ops.xaccel.mlstm, Triton chunkwise forward; fwd+bwd with .grad accumulating,
-    as the anchors' script measures, and reset to None before each call), the xLSTM kernel library's
+    """Rows: xaccel (torch.ops.xaccel.mlstm, Triton chunkwise forward; fwd+bwd through
+    mlstm_with_chunk_states, which training graphs run, with .grad accumulating as the anchors'
+    script measures, and reset to None before each call; and once through mlstm, which reruns the
+    chunk-state scan in its backward), the xLSTM kernel library's
     triton_limit_chunk if it is importable (carry its wheels), causal SDPA on the same q/k/v when
     DQK == DV. 'TFLOP/s' here is GB/s over the memory floor (one read of inputs, one write of h)."""
     q, k, v, i, f = case.make()
@@ -223,14 +225,17 @@ def run_mlstm_case(case: Case) -> list:
     leaves = [t.detach().requires_grad_() for t in (q, k, v, i, f)]
     qg, kg, vg, ig, fg = leaves
 
-    def op_fwd_bwd(xs):
-        def run():
-            h = torch.ops.xaccel.mlstm(*xs, None, None, None, 1e-6, 64)[0]
+    def op_fwd_bwd(xs, op=torch.ops.xaccel.mlstm_with_chunk_states):
+        def run():  # the op a compiled training graph runs: its backward reads the forward's chunk states
+            h = op(*xs, None, None, None, 1e-6, 64)[0]
             h.backward(torch.ones_like(h))
         return run
     add("xaccel fwd+bwd", _bench(op_fwd_bwd(leaves), True))
     # .grad set to None before each call (as after optimizer.zero_grad()): no accumulation into old grads
     add("xaccel fwd+bwd, .grad reset", _bench(op_fwd_bwd(leaves), True, leaves))
+    # xaccel.mlstm (inference graphs' op) under autograd: the backward reruns the chunk-state scan
+    add("xaccel fwd+bwd, states recomputed, .grad reset", _bench(op_fwd_bwd(leaves, torch.ops.xaccel.mlstm), True,
+                                                                  leaves))
     # the layout a model hands over: [B, S, H, D] projections viewed as [B, H, S, D] (read in place)
     views = [t.transpose(1, 2).contiguous().transpose(1, 2).detach().requires_grad_() for t in (q, k, v, i, f)]
     add("xaccel fwd+bwd, transposed-view inputs, .grad reset", _bench(op_fwd_bwd(views), True, views))

@@ -18,6 +18,11 @@ The reference below evaluates this chunk by chunk (chunk_size positions in paral
 chunks), in fp32 (float64 stays float64); it is the CPU path, the kernels' oracle and the ONNX
 body. S needs no relation to the chunk size: the tail is padded with positions that change
 nothing (logf = 0, i = -inf-like).
+
+xaccel::mlstm_with_chunk_states is the same op that also returns the state entering every chunk
+of chunk_size positions (in the kernels' layout); its backward reads them instead of rerunning the
+sequential state scan. The lowering uses it when the graph trains (run_passes), at the cost of
+holding those states until the backward (DQK/chunk_size x v's size).
 """
 from __future__ import annotations
 
@@ -36,8 +41,10 @@ def _compute_dtype(t: Tensor) -> torch.dtype:
 
 def reference(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor | None = None,
               n0: Tensor | None = None, m0: Tensor | None = None, eps: float = 1e-6,
-              chunk_size: int = 64) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(h [B,H,S,DV] in q's dtype, C [B,H,DQK,DV], n [B,H,DQK], m [B,H]) — states in fp32/fp64."""
+              chunk_size: int = 64, keep_chunk_states: bool = False) -> tuple[Tensor, ...]:
+    """(h [B,H,S,DV] in q's dtype, C [B,H,DQK,DV], n [B,H,DQK], m [B,H]) — states in fp32/fp64;
+    keep_chunk_states adds the state entering each chunk: C [B,H,NC,DQK,DV] in q's dtype, n and m
+    in fp32/fp64 (the kernels' layout; chunk_states_shapes)."""
     B, H, S, DK = q.shape
     DV = v.shape[-1]
     out_dtype, cd = q.dtype, _compute_dtype(q)
@@ -57,8 +64,10 @@ def reference(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor 
     else:
         C, n, m = C0.to(cd), n0.to(cd), m0.to(cd)
     causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-    hs = []
+    hs, entering = [], []
     for c in range(0, S + pad, L):
+        if keep_chunk_states:
+            entering.append((C, n, m))
         qc, kc, vc, ic = q[:, :, c:c + L], k[:, :, c:c + L], v[:, :, c:c + L], i[:, :, c:c + L]
         b = logf[:, :, c:c + L].cumsum(-1)                                   # [B,H,L]
         logD = (b[..., :, None] - b[..., None, :] + ic[..., None, :]).masked_fill(~causal, float("-inf"))
@@ -78,7 +87,18 @@ def reference(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor 
         n = decay[..., None] * n + (kc * w[..., None]).sum(-2)
         m = m_new
     h = torch.cat(hs, dim=2)[:, :, :S]
+    if keep_chunk_states:
+        Cs, ns, ms = (torch.stack(t, dim=2) for t in zip(*entering))
+        return h.to(out_dtype), C, n, m, Cs.to(out_dtype), ns, ms
     return h.to(out_dtype), C, n, m
+
+
+def chunk_states_shapes(q: Tensor, v: Tensor, chunk_size: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes of the states entering each chunk (mlstm_with_chunk_states' extra
+    outputs): C [B,H,NC,DQK,DV] in q's dtype (as the kernels store it), n [B,H,NC,DQK], m [B,H,NC]."""
+    B, H, S, DK = q.shape
+    NC, cd = -(-S // chunk_size), _compute_dtype(q)
+    return [((B, H, NC, DK, v.shape[-1]), q.dtype), ((B, H, NC, DK), cd), ((B, H, NC), cd)]
 
 
 def parallel_oracle(q, k, v, i, f, C0=None, n0=None, m0=None, eps=1e-6):
@@ -116,6 +136,7 @@ def _recompute_grads(fn, inputs, outputs_grads):
 
 
 OP_NAME = "mlstm"
+SAVING_OP_NAME = "mlstm_with_chunk_states"
 
 
 def case_key(q, k, v, i, f, C0, n0, m0, eps, chunk_size) -> tuple:
@@ -131,6 +152,19 @@ def _triton_kernels(key, q, *args):
     return triton_mlstm.forward(key, q, *args)
 
 
+def _triton_kernels_saving(key, q, *args):
+    """The same forward, also returning the chunk states it computed (at the op's chunk_size)."""
+    if not runtime.kernels_can_run(q):
+        return NotImplemented
+    from ..codegen import triton_mlstm
+
+    return triton_mlstm.forward(key, q, *args, keep_chunk_states=True)
+
+
+def _reference_saving(*args):
+    return reference(*args, keep_chunk_states=True)
+
+
 def run(q, k, v, i, f, C0, n0, m0, eps, chunk_size):
     """Outputs are contiguous whatever path ran, as the fake function promises."""
     outs = runtime.dispatch(OP_NAME, case_key, reference, q, k, v, i, f, C0, n0, m0, eps, chunk_size)
@@ -143,7 +177,18 @@ def mlstm(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor | No
     return run(q, k, v, i, f, C0, n0, m0, eps, chunk_size)
 
 
+@torch.library.custom_op("xaccel::mlstm_with_chunk_states", mutates_args=())
+def mlstm_with_chunk_states(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor | None,
+                            n0: Tensor | None, m0: Tensor | None, eps: float, chunk_size: int
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """xaccel::mlstm plus the state entering each chunk (C, n, m per chunk; chunk_states_shapes),
+    which its backward reads instead of recomputing them: the op a training graph runs."""
+    outs = runtime.dispatch(SAVING_OP_NAME, case_key, _reference_saving, q, k, v, i, f, C0, n0, m0, eps, chunk_size)
+    return tuple(o.contiguous() for o in outs)
+
+
 runtime.register_provider(OP_NAME, _triton_kernels)
+runtime.register_provider(SAVING_OP_NAME, _triton_kernels_saving)
 
 
 @mlstm.register_fake
@@ -154,23 +199,34 @@ def _fake(q, k, v, i, f, C0, n0, m0, eps, chunk_size):
             q.new_empty(B, H, DK, dtype=cd), q.new_empty(B, H, dtype=cd))
 
 
+@mlstm_with_chunk_states.register_fake
+def _fake_saving(q, k, v, i, f, C0, n0, m0, eps, chunk_size):
+    kept = tuple(q.new_empty(shape, dtype=dtype) for shape, dtype in chunk_states_shapes(q, v, chunk_size))
+    return _fake(q, k, v, i, f, C0, n0, m0, eps, chunk_size) + kept
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, i, f, C0, n0, m0, eps, chunk_size = inputs
     ctx.has_state = C0 is not None
-    # the output h too: the backward kernels read h . dh instead of recomputing the numerator
-    ctx.save_for_backward(q, k, v, i, f, output[0], *((C0, n0, m0) if ctx.has_state else ()))
+    # the output h too: the backward kernels read h . dh instead of recomputing the numerator;
+    # with kept chunk states, those and the final state (the backward's scan needs neither rerun)
+    kept = tuple(output[4:7]) + tuple(output[1:4]) if len(output) > 4 else ()
+    if kept:
+        ctx.mark_non_differentiable(*output[4:7])  # saved for the backward, not results
+    ctx.n_kept = len(kept)
+    ctx.save_for_backward(q, k, v, i, f, output[0], *kept, *((C0, n0, m0) if ctx.has_state else ()))
     ctx.eps, ctx.chunk_size = eps, chunk_size
     ctx.set_materialize_grads(False)  # unused final states get None: the backward skips them
 
 
-def _backward_reference(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=None):
+def _backward_reference(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states):
     from .mlstm_backward import backward
 
     return backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps=eps, chunk_size=chunk_size)
 
 
-def _backward_key(gh, gC, gn, gm, q, k, v, *rest) -> tuple:
-    return (q.device.type, q.dtype, q.shape, v.shape, rest[3] is not None)
+def _backward_key(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states) -> tuple:
+    return (q.device.type, q.dtype, q.shape, v.shape, C0 is not None, bool(chunk_states))
 
 
 def _triton_backward(key, gh, gC, gn, gm, q, *args):
@@ -184,25 +240,29 @@ def _triton_backward(key, gh, gC, gn, gm, q, *args):
 @torch.library.custom_op("xaccel::mlstm_backward", mutates_args=())
 def mlstm_backward(gh: Tensor | None, gC: Tensor | None, gn: Tensor | None, gm: Tensor | None, q: Tensor, k: Tensor,
                    v: Tensor, i: Tensor, f: Tensor, C0: Tensor | None, n0: Tensor | None, m0: Tensor | None,
-                   eps: float, chunk_size: int, h: Tensor | None = None) -> list[Tensor]:
+                   eps: float, chunk_size: int, h: Tensor | None, chunk_states: list[Tensor]) -> list[Tensor]:
     """xaccel::mlstm's backward as one opaque op, so that traced backward graphs hold a single
     node whose kernel is picked at run time: [dq, dk, dv, di, df] (+ [dC0, dn0, dm0] with a state).
-    h: the forward's output, when saved (the kernels use it; the reference does not need it)."""
+    h: the forward's output, when saved (the kernels use it; the reference does not need it).
+    chunk_states: [] or mlstm_with_chunk_states' kept states and its final state [Cs, ns, ms, C,
+    n, m] (the kernels skip their state scan when their chunk length is chunk_size)."""
     grads = runtime.dispatch("mlstm_backward", _backward_key, _backward_reference,
-                             gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h)
+                             gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states)
     return [g.contiguous() for g in grads if g is not None]
 
 
 @mlstm_backward.register_fake
-def _backward_fake(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=None):
+def _backward_fake(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states):
     # contiguous, like the real gradients (empty_like would copy q's strides, e.g. a transposed view)
     return [t.new_empty(t.shape) for t in (q, k, v, i, f, *((C0, n0, m0) if C0 is not None else ()))]
 
 
-def _backward(ctx, gh, gC, gn, gm):
+def _backward(ctx, gh, gC, gn, gm, *_kept_grads):
     saved = list(ctx.saved_tensors)
-    state = saved[6:] if ctx.has_state else [None, None, None]
-    grads = torch.ops.xaccel.mlstm_backward(gh, gC, gn, gm, *saved[:5], *state, ctx.eps, ctx.chunk_size, saved[5])
+    kept, rest = saved[6:6 + ctx.n_kept], saved[6 + ctx.n_kept:]
+    state = rest if ctx.has_state else [None, None, None]
+    grads = torch.ops.xaccel.mlstm_backward(gh, gC, gn, gm, *saved[:5], *state, ctx.eps, ctx.chunk_size, saved[5],
+                                            kept)
     return (*grads, *([None] * (8 - len(grads))), None, None)
 
 
@@ -210,3 +270,4 @@ runtime.register_provider("mlstm_backward", _triton_backward)
 
 
 mlstm.register_autograd(_backward, setup_context=_setup_context)
+mlstm_with_chunk_states.register_autograd(_backward, setup_context=_setup_context)
