@@ -2,7 +2,7 @@
 configuration compiled with backend="xaccel"), prefill and one train step under the torch
 profiler, CUDA kernels grouped by kind. Run on the GPU machine:
 
-    XACCEL_TUNE=0 python benchmarks/model_profile.py [--fallback eager|inductor] [--modes prefill,train]
+    XACCEL_TUNE=0 python benchmarks/model_profile.py [--fallback eager|inductor] [--modes prefill,train] [--ops]
     python benchmarks/model_profile.py --gemm-floor
 
 XACCEL_TUNE=0 skips first-call tuning (default configs) so the run spends its time profiling, but
@@ -91,7 +91,28 @@ def gemm_floor(tokens: int = 4 * 2048) -> None:
         print(f"anchor (xlstm Triton kernels) {mode}: {ms:.3f} ms", flush=True)
 
 
-def profile(mode: str, top: int) -> None:
+COPY_OPS = ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::cat", "aten::fill_",
+            "aten::zero_", "aten::add_")
+
+
+def copy_sources(run, top: int) -> None:
+    """--ops: the copy-like ATen ops of one step by GPU time, with their input shapes and the
+    innermost Python frames that called them (where the untraced copies and casts come from)."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True) as p:
+        run()
+        torch.cuda.synchronize()
+    rows = [e for e in p.key_averages(group_by_input_shape=True, group_by_stack_n=6)
+            if e.key in COPY_OPS and e.device_time_total > 0]
+    print(f"  copy-like ATen ops ({sum(e.device_time_total for e in rows) / 1e3:.2f} ms):", flush=True)
+    for e in sorted(rows, key=lambda e: -e.device_time_total)[:top]:
+        frames = [f for f in (e.stack or []) if "torch/" not in f or "torch_xaccel" in f][:3]
+        print(f"    {e.device_time_total / 1e3:7.3f} ms x{e.count:<3d} {e.key} {str(e.input_shapes)[:90]}"
+              f"\n        {' <- '.join(frames)[:300]}", flush=True)
+
+
+def profile(mode: str, top: int, ops: bool = False) -> None:
     import torch._dynamo
     from torch.profiler import ProfilerActivity, profile as prof
 
@@ -127,6 +148,8 @@ def profile(mode: str, top: int) -> None:
         print(f"  {k:30s} {ms:8.2f} ms", flush=True)
     for e in sorted(events, key=lambda e: -e.device_time_total)[:top]:
         print(f"    {e.device_time_total / 3 / 1e3:7.3f} ms  x{e.count // 3:<4d} {e.key[:100]}", flush=True)
+    if ops:
+        copy_sources(run, top)
 
 
 def main() -> None:
@@ -134,6 +157,7 @@ def main() -> None:
     ap.add_argument("--fallback", default=None, help="XACCEL_FALLBACK for this run")
     ap.add_argument("--modes", default="prefill,train")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--ops", action="store_true", help="also the copy-like ATen ops with shapes and callers")
     ap.add_argument("--gemm-floor", action="store_true", help="cuBLAS alone on the model's GEMMs, and the anchor")
     args = ap.parse_args()
     if args.gemm_floor:
@@ -146,7 +170,7 @@ def main() -> None:
     torch._dynamo.config.cache_size_limit = 64
     for mode in args.modes.split(","):
         try:
-            profile(mode, args.top)
+            profile(mode, args.top, args.ops)
         except Exception as e:  # noqa: BLE001 - report and go on to the next mode
             print(f"{mode}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
 
