@@ -1,7 +1,7 @@
 """Time the generated mLSTM kernels over tile configurations on the GPU (bf16), to pick the
 defaults in codegen/triton_mlstm.py:
 
-    python benchmarks/mlstm_sweep.py [--quick] [--sliced] [--profile]
+    python benchmarks/mlstm_sweep.py [--quick] [--sliced] [--profile] [--scan-ab]
 
 Each line: shape, phase, config, median ms, and the relative error of h (forward) or dq
 (backward) against the default config, so a config that breaks the math cannot win.
@@ -101,6 +101,32 @@ def profile(shape):
               flush=True)
 
 
+def scan_ab(shape):
+    """The backward from kept chunk states (what training runs) with the state-gradient scan
+    recomputing the gates' row terms itself (SCAN_ROW_FACTORS False) and reading them from
+    mlstm_bwd_rows (True): per-kernel times, the backward's median time, and the gradients'
+    difference between the two (bf16: both carry their own rounding)."""
+    x = _inputs(*shape)
+    h, C, n, m, *kept = tm.forward(None, *x, None, None, None, 1e-6, 64, keep_chunk_states=True)
+    dh = torch.randn_like(h)
+    states = [*kept, C, n, m]
+    grads = {}
+    for flag in (False, True):
+        tm.SCAN_ROW_FACTORS = flag
+
+        def bwd():
+            return tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h, states)
+        grads[flag] = bwd()
+        total, rows = kernel_times(bwd)
+        ms = triton.testing.do_bench(bwd, warmup=10, rep=50)
+        print(f"{shape} SCAN_ROW_FACTORS={flag}: backward {ms:.3f} ms (kernels {total:.3f})", flush=True)
+        for kms, k, key in rows[:8]:
+            print(f"{shape}   {kms:8.3f} ms x{k:<3d} {key[:90]}", flush=True)
+    errs = " ".join(f"{_rel(a, b):.1e}" for a, b in zip(grads[True][:5], grads[False][:5]))
+    print(f"{shape} row factors vs recomputed, dq dk dv di df: {errs}", flush=True)
+    tm.SCAN_ROW_FACTORS = True
+
+
 def main():
     tm.TUNE = False
     ap = argparse.ArgumentParser()
@@ -109,6 +135,7 @@ def main():
                     help="only the forward: the whole-tile kernel's first config and the sliced kernel's neighbours"
                          " (tm.sliced_sweep_configs)")
     ap.add_argument("--profile", action="store_true", help="only the per-kernel profile at the default configs")
+    ap.add_argument("--scan-ab", action="store_true", help="only the state-gradient scan with and without row factors")
     args = ap.parse_args()
     print("defaults:", {s: (tm.forward_config(s[3], s[4]), tm.backward_config(s[3], s[4])) for s in SHAPES})
     for shape in SHAPES:
@@ -120,6 +147,9 @@ def main():
                dict(base_b, warps=4)]
         if args.profile:
             profile(shape)
+            continue
+        if args.scan_ab:
+            scan_ab(shape)
             continue
         if args.quick:
             fwd, bwd = fwd[:4], bwd[:2]

@@ -321,6 +321,12 @@ def _any_config_fits(phase: str, DK: int, DV: int, itemsize: int) -> bool:
     return bool((forward_candidates if phase == "fwd" else backward_candidates)(DK, DV, itemsize))
 
 
+SCAN_ROW_FACTORS = True
+# the reverse state-gradient scan reads r/N and r dden per row and exp(g), exp(g + m) per chunk,
+# written by mlstm_bwd_rows, instead of recomputing the gates' logsigmoid, cumsum and the [L, L]
+# stabilizer max on its sequential path in every tile (False: the old scan, for the A/B in
+# benchmarks/mlstm_sweep.py --scan-ab)
+
 READ_STRIDED = True  # False: copy every non-contiguous input first (benchmarks/mlstm_layout_probe.py times both)
 
 
@@ -492,8 +498,11 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     else:
         (Cs, ns, ms), (CT, nT, mT) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
     N, dden, hdh, dm = (torch.empty(B, H, S, device=dev, dtype=f32) for _ in range(4))
-    _launch(_kernel("mlstm_bwd_rows.py.jinja", q.dtype), (B * H, NC),
-        q, k, i, f, h, dh, ns, ms, N, dden, hdh, dm, *_rows(q, k, i, f, dh), S, NC, DK ** -0.5, eps,
+    # the scan's row factors r/N, r dden [B, H, S] and chunk factors exp(g), exp(g + m) [B*H*NC]
+    factors = [torch.empty(n, device=dev, dtype=f32) for n in (B * H * S, B * H * S, B * H * NC, B * H * NC)] \
+        if SCAN_ROW_FACTORS else []
+    _launch(_kernel("mlstm_bwd_rows.py.jinja", q.dtype, row_factors=SCAN_ROW_FACTORS), (B * H, NC),
+        q, k, i, f, h, dh, ns, ms, N, dden, hdh, dm, *factors, *_rows(q, k, i, f, dh), S, NC, DK ** -0.5, eps,
         DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     dCs, dns = torch.empty_like(Cs), torch.empty_like(ns)
     dC0, dn0 = torch.empty_like(gC), torch.empty_like(gn)
@@ -501,9 +510,9 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     DGV = bool(cfg.get("DGV"))  # and the forget term <dC, C> there, off the sequential scan
     dg = torch.empty(B * H, NC, DV // DVS if DGV else NT, device=dev, dtype=f32)
     dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
-    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, dg_elsewhere=DGV), (B * H, DK // BK, DV // BVS),
-        q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0,
-        *_rows(q, dh, i, f), S, NC, NT, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=_scan_warps(cfg), num_stages=stages)
+    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, dg_elsewhere=DGV, row_factors=SCAN_ROW_FACTORS),
+        (B * H, DK // BK, DV // BVS), q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0,
+        *factors, *_rows(q, dh, i, f), S, NC, NT, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=_scan_warps(cfg), num_stages=stages)
     # contiguous gradients, as the op's fake promises (empty_like would copy a transposed q's strides)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=dev) for t in (q, k, v))
     di, dlogf = torch.empty(B, H, S, device=dev, dtype=f32), torch.empty(B, H, S, device=dev, dtype=f32)
