@@ -102,29 +102,31 @@ def profile(shape):
 
 
 def scan_ab(shape):
-    """The backward from kept chunk states (what training runs) with the state-gradient scan
-    recomputing the gates' row terms itself (SCAN_ROW_FACTORS False) and reading them from
-    mlstm_bwd_rows (True): per-kernel times, the backward's median time, and the gradients'
-    difference between the two (bf16: both carry their own rounding)."""
+    """The two sequential scans with their gate terms recomputed at every step (the flags False)
+    and precomputed in parallel (True): the forward (CHUNK_SCAN_FACTORS: mlstm_chunk_gates before
+    the chunk-state scan) and the backward from kept chunk states, what training runs
+    (SCAN_ROW_FACTORS: row factors from mlstm_bwd_rows); per-kernel times, median times, and the
+    outputs' difference between the two (bf16: both carry their own rounding)."""
     x = _inputs(*shape)
     h, C, n, m, *kept = tm.forward(None, *x, None, None, None, 1e-6, 64, keep_chunk_states=True)
     dh = torch.randn_like(h)
     states = [*kept, C, n, m]
-    grads = {}
-    for flag in (False, True):
-        tm.SCAN_ROW_FACTORS = flag
-
-        def bwd():
-            return tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h, states)
-        grads[flag] = bwd()
-        total, rows = kernel_times(bwd)
-        ms = triton.testing.do_bench(bwd, warmup=10, rep=50)
-        print(f"{shape} SCAN_ROW_FACTORS={flag}: backward {ms:.3f} ms (kernels {total:.3f})", flush=True)
-        for kms, k, key in rows[:8]:
-            print(f"{shape}   {kms:8.3f} ms x{k:<3d} {key[:90]}", flush=True)
-    errs = " ".join(f"{_rel(a, b):.1e}" for a, b in zip(grads[True][:5], grads[False][:5]))
-    print(f"{shape} row factors vs recomputed, dq dk dv di df: {errs}", flush=True)
-    tm.SCAN_ROW_FACTORS = True
+    phases = {"CHUNK_SCAN_FACTORS": lambda: tm.forward(None, *x, None, None, None, 1e-6, 64, keep_chunk_states=True),
+              "SCAN_ROW_FACTORS": lambda: tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h,
+                                                      states)}
+    for flag, run in phases.items():
+        outs = {}
+        for value in (False, True):
+            setattr(tm, flag, value)
+            outs[value] = run()
+            total, rows = kernel_times(run)
+            ms = triton.testing.do_bench(run, warmup=10, rep=50)
+            print(f"{shape} {flag}={value}: {ms:.3f} ms (kernels {total:.3f})", flush=True)
+            for kms, k, key in rows[:6]:
+                print(f"{shape}   {kms:8.3f} ms x{k:<3d} {key[:90]}", flush=True)
+        errs = " ".join(f"{_rel(a, b):.1e}" for a, b in zip(outs[True][:5], outs[False][:5]))
+        print(f"{shape} {flag} True vs False, first five outputs: {errs}", flush=True)
+        setattr(tm, flag, True)
 
 
 def main():
@@ -135,7 +137,7 @@ def main():
                     help="only the forward: the whole-tile kernel's first config and the sliced kernel's neighbours"
                          " (tm.sliced_sweep_configs)")
     ap.add_argument("--profile", action="store_true", help="only the per-kernel profile at the default configs")
-    ap.add_argument("--scan-ab", action="store_true", help="only the state-gradient scan with and without row factors")
+    ap.add_argument("--scan-ab", action="store_true", help="only the two scans with and without precomputed gate terms")
     args = ap.parse_args()
     print("defaults:", {s: (tm.forward_config(s[3], s[4]), tm.backward_config(s[3], s[4])) for s in SHAPES})
     for shape in SHAPES:

@@ -321,6 +321,11 @@ def _any_config_fits(phase: str, DK: int, DV: int, itemsize: int) -> bool:
     return bool((forward_candidates if phase == "fwd" else backward_candidates)(DK, DV, itemsize))
 
 
+CHUNK_SCAN_FACTORS = True
+# the chunk-state scan reads each chunk's gate terms (log u per row, g and max log u per chunk)
+# from mlstm_chunk_gates, run in parallel over chunks first, instead of a logsigmoid, cumsum and
+# max in every tile at every sequential step (False: the old scan, for mlstm_sweep.py --scan-ab)
+
 SCAN_ROW_FACTORS = True
 # the reverse state-gradient scan reads r/N and r dden per row and exp(g), exp(g + m) per chunk,
 # written by mlstm_bwd_rows, instead of recomputing the gates' logsigmoid, cumsum and the [L, L]
@@ -349,8 +354,9 @@ def _rows(*ts: torch.Tensor) -> list[int]:
 
 def chunk_states(k, v, i, f, C0, n0, m0, cfg):
     """Run the sequential scan: (Cs, ns, ms) the state entering each chunk ([B*H*NC*DK*DV] in the
-    input dtype, [.. DK] and [..] fp32) and the final state (C, n, m) in fp32: mlstm_chunk_states
-    walks the chunks with one matmul per step."""
+    input dtype, [.. DK] and [..] fp32) and the final state (C, n, m) in fp32: mlstm_chunk_gates
+    prepares every chunk's gate terms in parallel, then mlstm_chunk_states walks the chunks with
+    one matmul per step."""
     B, H, S, DK = k.shape
     DV = v.shape[-1]
     L, BK, BVS, stages = cfg["L"], cfg["BK"], cfg["BVS"], cfg["stages"]
@@ -367,9 +373,13 @@ def chunk_states(k, v, i, f, C0, n0, m0, cfg):
         C0, n0, m0 = (t.float().contiguous() for t in (C0, n0, m0))
     else:
         C0, n0, m0 = C, n, m  # unused by the kernel
-    _launch(_kernel("mlstm_chunk_states.py.jinja", k.dtype, has_state=has_state), (B * H, DK // BK, DV // BVS),
-        k, v, i, f, C0, n0, m0, Cs, ns, ms, C, n, m, *_rows(k, v, i, f), S, NC, DK ** -0.5,
-        DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=_scan_warps(cfg), num_stages=stages)
+    gates = []
+    if CHUNK_SCAN_FACTORS:  # each chunk's gate terms, in parallel, off the sequential scan
+        gates = [torch.empty(B * H * NC * L, dtype=f32, device=dev), torch.empty(B * H * NC * 2, dtype=f32, device=dev)]
+        _launch(_kernel("mlstm_chunk_gates.py.jinja", k.dtype), (B * H, NC), i, f, *gates, *_rows(i, f), S, NC, L=L)
+    _launch(_kernel("mlstm_chunk_states.py.jinja", k.dtype, has_state=has_state, gate_factors=CHUNK_SCAN_FACTORS),
+        (B * H, DK // BK, DV // BVS), k, v, i, f, C0, n0, m0, Cs, ns, ms, C, n, m, *gates, *_rows(k, v, i, f), S, NC,
+        DK ** -0.5, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=_scan_warps(cfg), num_stages=stages)
     return (Cs, ns, ms), (C, n, m)
 
 
