@@ -56,7 +56,9 @@ def test_xlstm_large_native_bf16_runs_compiled_where_eager_raises():
         got = torch.compile(model, backend="xaccel")(tokens)
     assert got.dtype == torch.bfloat16
     assert rel_err(got, want) <= 2e-2
-    assert torch_xaccel.last_report(1).counts()["mlstm"] == 2
+    report = torch_xaccel.last_report(1)
+    assert report.counts()["mlstm"] == 2
+    assert not any(r.note for r in report.replacements if r.op == "xaccel.mlstm")  # no backward: nothing kept
 
 
 def test_xlstm_large_native_train_step_equal_to_eager(monkeypatch):
@@ -75,7 +77,9 @@ def test_xlstm_large_native_train_step_equal_to_eager(monkeypatch):
     got = torch.compile(model, backend="xaccel")(tokens)[0]
     got.float().square().mean().backward()
     assert rel_err(got, want) <= 1e-5
-    assert torch_xaccel.last_report(1).counts()["mlstm"] == 2 and len(kept) == 2
+    report = torch_xaccel.last_report(1)
+    assert report.counts()["mlstm"] == 2 and len(kept) == 2
+    assert all("keeps its chunk states" in r.note for r in report.replacements if r.op == "xaccel.mlstm"), str(report)
     assert all(rel_err(p.grad, g) <= 2e-4 for p, g in zip(model.parameters(), grads))
     assert rel_err(torch.cat([p.grad.flatten() for p in model.parameters()]), torch.cat([g.flatten() for g in grads])) <= 1e-5
 
