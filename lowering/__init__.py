@@ -22,13 +22,16 @@ PASSES: dict[str, Callable[[torch.fx.GraphModule, object, bool], None]] = {
 FAMILIES_WITH_PASSES: tuple[str, ...] = tuple(PASSES)
 
 
-def run_passes(gm: torch.fx.GraphModule, patterns, graph_report, training: bool = False) -> torch.fx.GraphModule:
+def run_passes(gm: torch.fx.GraphModule, patterns, graph_report, training: bool = False,
+               keep_mlstm_states: bool = True) -> torch.fx.GraphModule:
     """training: some graph input requires grad under grad mode (the pre-dispatch graph's fake
-    values do not carry requires_grad, so the backend decides this from the real inputs)."""
+    values do not carry requires_grad, so the backend decides this from the real inputs).
+    keep_mlstm_states (XACCEL_MLSTM_KEEP_STATES): a training graph's mLSTMs keep their chunk
+    states for the backward."""
     for family, fn in PASSES.items():
         if family in patterns:
             fn(gm, graph_report, training)
-    if training and keep_mlstm_chunk_states(gm):
+    if training and keep_mlstm_states and keep_mlstm_chunk_states(gm):
         graph_report.replacements[:] = [
             dataclasses.replace(r, note="; ".join(filter(None, (r.note, "keeps its chunk states for the backward"))))
             if r.op == "xaccel.mlstm" else r for r in graph_report.replacements]

@@ -205,6 +205,24 @@ def test_patterns_switch_excludes_mlstm(xaccel_env):
     assert report.counts()["mlstm"] == 0
 
 
+@pytest.mark.parametrize("keep", ["1", "0"])
+def test_training_graph_keeps_chunk_states_unless_switched_off(xaccel_env, monkeypatch, keep):
+    """A training graph's mLSTM keeps its chunk states for the backward (xaccel.mlstm_with_chunk_states,
+    noted in the report); XACCEL_MLSTM_KEEP_STATES=0 leaves it xaccel.mlstm, whose backward
+    recomputes them (less memory held). Forward and gradients equal to eager either way."""
+    from torch_xaccel.ops import mlstm as mlstm_op
+
+    xaccel_env(XACCEL_MLSTM_KEEP_STATES=keep)
+    kept = []
+    monkeypatch.setattr(mlstm_op, "_reference_saving", lambda *a: kept.append(1) or mlstm_op.reference(
+        *a, keep_chunk_states=True))
+    report = check_compiled(masked_fill_style, _inputs(seed=4), tol=2e-5)
+    assert report.counts()["mlstm"] == 1
+    assert len(kept) == (keep == "1")
+    notes = [r.note for r in report.replacements if r.op == "xaccel.mlstm"]
+    assert notes == (["keeps its chunk states for the backward"] if keep == "1" else [""]), str(report)
+
+
 def test_bf16_parallel_form_runs_in_fp32_and_is_closer_to_the_truth_than_eager():
     x = [t.detach() for t in _inputs(S=64, seed=7)]
     truth = masked_fill_style(*(t.double() for t in x))

@@ -109,7 +109,7 @@ def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **options):
             isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
         aten_gm = to_aten(gm, example_inputs)
         aten_gm.meta["xaccel_example_inputs"] = example_inputs  # real values, for checks of cached constants
-        lowered = run_passes(aten_gm, cfg.patterns, report, training)
+        lowered = run_passes(aten_gm, cfg.patterns, report, training, cfg.keep_mlstm_states)
         if cfg.fallback == "eager":  # only the eager fallback leaves them unfused (the report's hint)
             report.eager_pointwise = _pointwise_ops(lowered)
         if not report.replacements:

@@ -19,6 +19,7 @@ class Config:
     fallback: str
     log: bool
     cache_dir: Path
+    keep_mlstm_states: bool = True
 
 
 def _flag(name: str) -> bool:
@@ -34,6 +35,13 @@ def tuning_enabled() -> bool:
     """XACCEL_TUNE (default on): off, kernels take their default configs (or a decision already
     stored in the cache) and nothing is timed, which shortens a cold compile by the tuning time."""
     return not os.environ.get("XACCEL_TUNE", "").strip() or _flag("XACCEL_TUNE")
+
+
+def keep_mlstm_states() -> bool:
+    """XACCEL_MLSTM_KEEP_STATES (default on): a training graph's mLSTM keeps the state entering
+    each chunk for its backward (DQK/64 x v's memory per layer, held until the backward); off,
+    the backward recomputes them (0.5-1 ms more per layer and step at the issue's shapes)."""
+    return not os.environ.get("XACCEL_MLSTM_KEEP_STATES", "").strip() or _flag("XACCEL_MLSTM_KEEP_STATES")
 
 
 def compile_threads() -> int:
@@ -82,4 +90,5 @@ def load() -> Config:
     tuning_enabled()  # a bad XACCEL_TUNE / XACCEL_COMPILE_THREADS fails the compile here, not in a kernel call
     compile_threads()
     return Config(disable=_flag("XACCEL_DISABLE"), patterns=_patterns(FAMILIES_WITH_PASSES),
-                  fallback=_fallback(), log=_flag("XACCEL_LOG"), cache_dir=_cache_dir())
+                  fallback=_fallback(), log=_flag("XACCEL_LOG"), cache_dir=_cache_dir(),
+                  keep_mlstm_states=keep_mlstm_states())
