@@ -63,7 +63,7 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False,
 
     def types_for(fn):
         return {a: (ptr if a in ("q_ptr", "k_ptr", "v_ptr", "h_ptr", "Cs_ptr", "dCs_ptr", "dh_ptr", "dq_ptr",
-                                     "dk_ptr", "dv_ptr", "dS_ptr") else "i32" if a in ("S", "NC", "NT")
+                                     "dk_ptr", "dv_ptr", "dS_ptr") else "i32" if a in ("S", "NC", "NT", "H") or a[-3:] in ("_sb", "_sh", "_ss")
                     else "fp32" if a in ("scale", "eps") else "*fp32") for a in fn.arg_names}
 
     seen = set()
@@ -77,7 +77,8 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False,
             for cfg in cands if all_candidates else cands[:1]:
                 scan = triton_mlstm._scan_warps(cfg)
                 dgv = {"DGV": 1} if cfg.get("DGV") else {}
-                kernels = [("mlstm_chunk_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), scan)]
+                kernels = [("mlstm_chunk_gates.py.jinja", {}, 4),
+                           ("mlstm_chunk_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), scan)]
                 fwd_tiles = dict(BV=cfg["BV"], **({"BKQ": cfg["BKQ"]} if cfg.get("BKQ") else {}))
                 kernels += ([("mlstm_fwd.py.jinja", fwd_tiles, cfg["warps"])] if phase == "fwd" else
                             [("mlstm_bwd_rows.py.jinja", dict(BV=cfg["BV"]), cfg["warps"]),
@@ -93,14 +94,18 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False,
                     if key in seen:
                         continue
                     seen.add(key)
-                    extra = (dict(has_state=False) if template == "mlstm_chunk_states.py.jinja" else
+                    extra = (dict(has_state=False, gate_factors=triton_mlstm.CHUNK_SCAN_FACTORS)
+                             if template == "mlstm_chunk_states.py.jinja" else
                              dict(k_loop="BKQ" in tiles) if template == "mlstm_fwd.py.jinja" else
                              dict(split_dv="DVS" in tiles, dv_tiles=DV // tiles.get("DVS", DV), split_dqdk="DKS" in tiles)
                              if template == "mlstm_bwd.py.jinja" else
-                             dict(dg_elsewhere="DGV" in tiles) if template == "mlstm_bwd_states.py.jinja" else
+                             dict(row_factors=triton_mlstm.SCAN_ROW_FACTORS) if template == "mlstm_bwd_rows.py.jinja" else
+                             dict(dg_elsewhere="DGV" in tiles, row_factors=triton_mlstm.SCAN_ROW_FACTORS)
+                             if template == "mlstm_bwd_states.py.jinja" else
                              dict(with_dg="DGV" in tiles) if template == "mlstm_bwd_dv.py.jinja" else {})
                     fn = _load(*triton_mlstm._render(template, dtype, False, **extra))
                     cons = dict(DK=DK, DV=DV, L=cfg["L"], **{k: v for k, v in tiles.items() if k not in ("DVS", "DKS", "DGV")})
+                    cons = {k: v for k, v in cons.items() if k in fn.arg_names}  # the gates kernel takes L alone
                     print(f"{template.split('.')[0]:20s} DK{DK} DV{DV} {cons} {warps} warps {cfg['stages']} stages: "
                           f"{report(fn, types_for(fn), cons, warps, cfg['stages'])}", flush=True)
 
