@@ -116,17 +116,19 @@ def scan_ab(shape):
                                                       states)}
     for flag, run in phases.items():
         outs = {}
-        for value in (False, True):
-            setattr(tm, flag, value)
-            outs[value] = run()
-            total, rows = kernel_times(run)
-            ms = triton.testing.do_bench(run, warmup=10, rep=50)
-            print(f"{shape} {flag}={value}: {ms:.3f} ms (kernels {total:.3f})", flush=True)
-            for kms, k, key in rows[:6]:
-                print(f"{shape}   {kms:8.3f} ms x{k:<3d} {key[:90]}", flush=True)
+        try:
+            for value in (False, True):
+                setattr(tm, flag, value)
+                outs[value] = run()
+                total, rows = kernel_times(run)
+                ms = triton.testing.do_bench(run, warmup=10, rep=50)
+                print(f"{shape} {flag}={value}: {ms:.3f} ms (kernels {total:.3f})", flush=True)
+                for kms, k, key in rows[:6]:
+                    print(f"{shape}   {kms:8.3f} ms x{k:<3d} {key[:90]}", flush=True)
+        finally:
+            setattr(tm, flag, True)
         errs = " ".join(f"{_rel(a, b):.1e}" for a, b in zip(outs[True][:5], outs[False][:5]))
         print(f"{shape} {flag} True vs False, first five outputs: {errs}", flush=True)
-        setattr(tm, flag, True)
 
 
 def main():

@@ -227,8 +227,8 @@ TUNE = True  # False: always the default config (benchmarks/mlstm_sweep.py times
 def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch, kept: bool = False) -> dict:
     """The fastest candidate for this phase and shape class, timed once (launch(cfg) runs the
     phase) and persisted under XACCEL_CACHE_DIR like the GEMM tuning; without CUDA, the default.
-    kept: a backward with the forward's chunk states (its own decision: the scan it skips is
-    part of the time)."""
+    kept: a forward that keeps its chunk states (a second scan where its chunk differs) or a
+    backward that reads them (no scan): their own decisions, since that changes what is timed."""
     B, H, S, DK = q.shape
     DV = v.shape[-1]
     size = q.element_size()
@@ -310,8 +310,8 @@ def _supported(q, k, v, S, phase: str) -> bool:
     memory (else the op runs its reference)."""
     DK, DV = q.shape[-1], v.shape[-1]
     if not (q.dtype in DTYPES and DK in HEAD_DIMS and DV in HEAD_DIMS and S > 0
-            and all(t.dtype == q.dtype for t in (k, v))):
-        return False
+            and all(t.dtype == q.dtype for t in (k, v)) and max(q.numel(), v.numel()) < 2 ** 31):
+        return False  # (int32 offsets: larger tensors run the reference)
     return cache.interpreting() or _any_config_fits(phase, DK, DV, q.element_size())
 
 
@@ -362,6 +362,8 @@ def chunk_states(k, v, i, f, C0, n0, m0, cfg):
     L, BK, BVS, stages = cfg["L"], cfg["BK"], cfg["BVS"], cfg["stages"]
     NC = -(-S // L)
     dev, f32 = k.device, torch.float32
+    if B * H * NC * DK * DV >= 2 ** 31:  # the kernels' offsets are int32: this config cannot run here
+        raise ValueError(f"mLSTM chunk states at chunk {L} would hold {B * H * NC * DK * DV} elements (>= 2^31)")
     Cs = torch.empty(B * H * NC * DK * DV, dtype=k.dtype, device=dev)
     ns = torch.empty(B * H * NC * DK, dtype=f32, device=dev)
     ms = torch.empty(B * H * NC, dtype=f32, device=dev)
@@ -388,24 +390,44 @@ def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size, keep_chunk_states=F
     chunk-state scan, then every chunk's output in parallel. chunk_size only shapes the
     reference's evaluation; the kernels pick their own chunk length (results agree to rounding).
     keep_chunk_states (xaccel::mlstm_with_chunk_states): also return the state entering each chunk
-    of chunk_size positions: the scan's own output when its chunk is chunk_size, else a second scan."""
+    of chunk_size positions: the scan's own output when its chunk is chunk_size, else a second
+    scan (timed as part of the forward by its own tuning decision)."""
     S = q.shape[2]
     if not _supported(q, k, v, S, "fwd") or keep_chunk_states and chunk_size not in CHUNKS:
         return NotImplemented
     q, k, v, i, f = (_strided(t) for t in (q, k, v, i, f))
-    cfg = _tuned("fwd", q, v, lambda c: _forward(c, q, k, v, i, f, C0, n0, m0, eps))
-    h, C, n, m, states = _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, keep=True)
     if not keep_chunk_states:
-        return h, C, n, m
-    if cfg["L"] != chunk_size:
-        states = chunk_states(k, v, i, f, C0, n0, m0, dict(cfg, L=chunk_size))[0]
+        cfg = _tuned("fwd", q, v, lambda c: _forward(c, q, k, v, i, f, C0, n0, m0, eps))
+        return _forward(cfg, q, k, v, i, f, C0, n0, m0, eps)
+    run = lambda c: _forward_keeping(c, q, k, v, i, f, C0, n0, m0, eps, chunk_size)  # noqa: E731
+    return run(_tuned("fwd", q, v, run, kept=True))
+
+
+def _forward_keeping(cfg, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
     from torch_xaccel.ops.mlstm import chunk_states_shapes
 
+    h, C, n, m, states = _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, keep=True)
+    if cfg["L"] != chunk_size:
+        states = chunk_states(k, v, i, f, C0, n0, m0, dict(cfg, L=chunk_size))[0]
     Cs, ns, ms = (t.view(shape) for t, (shape, _) in zip(states, chunk_states_shapes(q, v, chunk_size)))
     return h, C, n, m, Cs, ns, ms
 
 
 CHUNKS = (16, 32, 64, 128)  # chunk lengths the kernels take (the kept states' chunk_size among them)
+
+
+def backward_reads_kept_states(device_type: str, dtype: torch.dtype, DK: int, DV: int, chunk_size: int) -> bool:
+    """Whether keeping the chunk states in a training graph pays: the kernels run there (CUDA, or
+    Triton's interpreter) and every backward config they may pick walks chunks of chunk_size, so
+    the kept states replace the backward's scan. Else (the CPU reference, whose backward ignores
+    them; DQK 512 or fp32 from DQK 256, whose backward chunks are 16-32; a chunk size the kernels
+    do not take) they would be held for nothing (lowering.keep_mlstm_chunk_states asks)."""
+    if chunk_size not in CHUNKS or dtype not in DTYPES or DK not in HEAD_DIMS or DV not in HEAD_DIMS:
+        return False
+    if cache.interpreting():
+        return device_type == "cpu" and backward_config(DK, DV, dtype.itemsize)["L"] == chunk_size
+    cands = backward_candidates(DK, DV, dtype.itemsize)
+    return device_type == "cuda" and bool(cands) and all(c["L"] == chunk_size for c in cands)
 
 
 def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, keep=False):
@@ -460,6 +482,8 @@ def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=
     if not _supported(q, k, v, S, "bwd") or dh is None and gC is None:
         return NotImplemented
     dev, f32 = q.device, torch.float32
+    if q.dtype == torch.float16 and gC is not None and not _fp16_state_gradient_fits(gC, i, f, m0):
+        return NotImplemented  # the reference runs it (fp32 state math)
     q, k, v, i, f = (_strided(t) for t in (q, k, v, i, f))
     if h is None:
         h = forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size)[0]
@@ -474,6 +498,27 @@ def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=
     return _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept)
 
 
+FP16_STATE_GRAD_LIMIT = 1e4  # of 65504: the dh terms the scan adds on top stay far below the rest
+
+
+def _fp16_state_gradient_fits(gC, i, f, m0) -> bool:
+    """The state-gradient scan carries the true-state gradient, which starts at gC * exp(-m_T)
+    and is stored per chunk in the input dtype. With very negative input gates m_T is very
+    negative (e.g. -12: a factor 1.6e5), which overflows fp16 (bf16 has fp32's range): NaN
+    gradients. In fp16 with a final-state gradient, check that bound on the host (one sync, only
+    on this path; m_T from the gates in torch) and let the reference take the case when it does
+    not fit; inside a CUDA-graph capture, where no sync is allowed, always the reference."""
+    if gC.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    import torch.nn.functional as F
+
+    Fc = F.logsigmoid(f.float()).cumsum(-1)
+    m_T = (i.float() - Fc).amax(-1) + Fc[..., -1]  # the recurrent stabilizer after the last step
+    if m0 is not None:
+        m_T = torch.maximum(m_T, m0.float() + Fc[..., -1])
+    return bool((gC.float().abs().amax((-1, -2)) * torch.exp(-m_T)).max() <= FP16_STATE_GRAD_LIMIT)
+
+
 def _kept_states(chunk_states, q, v, chunk_size):
     """(chunk_size, (Cs, ns, ms) flat as chunk_states() returns them, (C, n, m)) from the forward's
     kept states, or None when there are none or they do not have the layout the kernels read
@@ -485,7 +530,7 @@ def _kept_states(chunk_states, q, v, chunk_size):
     Cs, ns, ms, C, n, m = chunk_states
     want = chunk_states_shapes(q, v, chunk_size)
     if any(tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous()
-           for t, (shape, dtype) in zip((Cs, ns, ms), want)) or ns.dtype != torch.float32:
+           for t, (shape, dtype) in zip((Cs, ns, ms), want)):
         return None
     return chunk_size, (Cs.view(-1), ns.view(-1), ms.view(-1)), tuple(t.float().contiguous() for t in (C, n, m))
 

@@ -41,18 +41,32 @@ def run_passes(gm: torch.fx.GraphModule, patterns, graph_report, training: bool 
 
 
 def keep_mlstm_chunk_states(gm: torch.fx.GraphModule) -> int:
-    """In a training graph, every xaccel.mlstm becomes xaccel.mlstm_with_chunk_states: the same
-    first four outputs, plus the states entering each chunk, which its backward reads instead of
-    rerunning the sequential scan (0.5-1 ms of a 4-8 ms forward + backward on the H200). Its
-    users index outputs 0-3, so only the target and the fake value change. Returns how many."""
+    """In a training graph, every xaccel.mlstm whose kernels' backward would read them
+    (triton_mlstm.backward_reads_kept_states: CUDA, a chunk size and head shape whose backward
+    configs all walk that chunk) becomes xaccel.mlstm_with_chunk_states: the same first four
+    outputs, plus the states entering each chunk, which its backward reads instead of rerunning
+    the sequential scan (0.5-1 ms of a 4-8 ms forward + backward on the H200). Its users index
+    outputs 0-3, so only the target and the fake value change; a node without a fake value is
+    left alone. Returns how many were changed."""
+    from torch_xaccel.codegen import triton_mlstm
+
     old, new = torch.ops.xaccel.mlstm.default, torch.ops.xaccel.mlstm_with_chunk_states.default
-    nodes = list(gm.graph.find_nodes(op="call_function", target=old))
-    for node in nodes:
-        node.target = new
+    changed = 0
+    for node in list(gm.graph.find_nodes(op="call_function", target=old)):
         fake = node.meta.get("val")
         fake_mode = getattr(fake[0], "fake_mode", None) if isinstance(fake, (tuple, list)) else None
-        if fake_mode is not None:
-            args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
-            with fake_mode:
-                node.meta["val"] = new(*args)
-    return len(nodes)
+        args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
+        kwargs = {k: a.meta.get("val") if isinstance(a, torch.fx.Node) else a for k, a in node.kwargs.items()}
+        q, v = args[0], args[2]
+        chunk = args[9] if len(args) > 9 else kwargs.get("chunk_size")
+        if fake_mode is None or not isinstance(q, torch.Tensor) or not isinstance(v, torch.Tensor):
+            continue
+        DK, DV = q.shape[-1], v.shape[-1]
+        if not all(isinstance(d, int) for d in (DK, DV, chunk)) or \
+                not triton_mlstm.backward_reads_kept_states(q.device.type, q.dtype, DK, DV, chunk):
+            continue
+        node.target = new
+        with fake_mode:
+            node.meta["val"] = new(*args, **kwargs)
+        changed += 1
+    return changed

@@ -207,20 +207,47 @@ def test_patterns_switch_excludes_mlstm(xaccel_env):
 
 @pytest.mark.parametrize("keep", ["1", "0"])
 def test_training_graph_keeps_chunk_states_unless_switched_off(xaccel_env, monkeypatch, keep):
-    """A training graph's mLSTM keeps its chunk states for the backward (xaccel.mlstm_with_chunk_states,
-    noted in the report); XACCEL_MLSTM_KEEP_STATES=0 leaves it xaccel.mlstm, whose backward
-    recomputes them (less memory held). Forward and gradients equal to eager either way."""
+    """Where the kernels' backward would read them, a training graph's mLSTM keeps its chunk
+    states (xaccel.mlstm_with_chunk_states, noted in the report) and its backward op receives
+    them; XACCEL_MLSTM_KEEP_STATES=0 leaves it xaccel.mlstm, whose backward recomputes them (less
+    memory held). Forward and gradients equal to eager either way. (On this CPU the reference
+    runs, whose backward would ignore them, so the test says the kernels' backward reads them.)"""
+    from torch_xaccel.codegen import triton_mlstm
     from torch_xaccel.ops import mlstm as mlstm_op
 
     xaccel_env(XACCEL_MLSTM_KEEP_STATES=keep)
-    kept = []
+    monkeypatch.setattr(triton_mlstm, "backward_reads_kept_states", lambda *a: True)
+    kept, handed = [], []
     monkeypatch.setattr(mlstm_op, "_reference_saving", lambda *a: kept.append(1) or mlstm_op.reference(
         *a, keep_chunk_states=True))
+    backward_reference = mlstm_op._backward_reference
+    monkeypatch.setattr(mlstm_op, "_backward_reference", lambda *a: handed.append(len(a[-1])) or backward_reference(*a))
     report = check_compiled(masked_fill_style, _inputs(seed=4), tol=2e-5)
     assert report.counts()["mlstm"] == 1
     assert len(kept) == (keep == "1")
+    assert handed == ([6] if keep == "1" else [0])  # Cs, ns, ms and the final C, n, m reach the backward
     notes = [r.note for r in report.replacements if r.op == "xaccel.mlstm"]
     assert notes == (["keeps its chunk states for the backward"] if keep == "1" else [""]), str(report)
+
+
+def test_chunk_states_are_kept_only_where_the_backward_reads_them(monkeypatch):
+    """Kept states cost DQK/64 x v's memory per layer until the backward: only where the kernels
+    run and every backward config walks chunks of the op's chunk size. Not on the CPU reference
+    path, at DQK 512 (backward chunks 16-32), in fp32 from DQK 256, or at a chunk the kernels do
+    not take (the library's chunk 256, say, whose forward would then fall back)."""
+    from torch_xaccel.codegen import triton_mlstm as tm
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert tm.backward_reads_kept_states("cuda", torch.bfloat16, 128, 128, 64)
+    assert tm.backward_reads_kept_states("cuda", torch.float16, 256, 512, 64)
+    assert not tm.backward_reads_kept_states("cpu", torch.bfloat16, 128, 128, 64)
+    assert not tm.backward_reads_kept_states("cuda", torch.bfloat16, 512, 512, 64)
+    assert not tm.backward_reads_kept_states("cuda", torch.float32, 256, 512, 64)
+    assert not tm.backward_reads_kept_states("cuda", torch.bfloat16, 128, 128, 256)
+    assert not tm.backward_reads_kept_states("cuda", torch.bfloat16, 128, 128, 32)
+    # and the plain CPU training graph keeps nothing
+    report = check_compiled(masked_fill_style, _inputs(seed=6), tol=2e-5)
+    assert report.counts()["mlstm"] == 1 and not any(r.note for r in report.replacements), str(report)
 
 
 def test_bf16_parallel_form_runs_in_fp32_and_is_closer_to_the_truth_than_eager():

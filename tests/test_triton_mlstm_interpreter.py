@@ -241,11 +241,13 @@ def test_backward_reads_kept_chunk_states_instead_of_rescanning(monkeypatch):
 
 
 KEPT_SCRIPT = textwrap.dedent("""
-    import os, torch
+    import os, sys, torch
     os.environ["TRITON_INTERPRET"] = "1"
     from torch_xaccel.ops import mlstm
     from torch_xaccel.ops.mlstm_backward import backward as analytic
     from torch_xaccel.codegen import triton_mlstm
+    # the scans on precomputed gate terms (default) or recomputing them (the A/B switches)
+    triton_mlstm.CHUNK_SCAN_FACTORS = triton_mlstm.SCAN_ROW_FACTORS = sys.argv[1] == "1"
     torch.manual_seed(2)
     bad = 0
     L = triton_mlstm.forward_config(16, 32)["L"]
@@ -280,11 +282,69 @@ KEPT_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_kept_chunk_states_match_reference_in_interpreter(tmp_path):
+@pytest.mark.parametrize("factors", ["1", "0"])
+def test_kept_chunk_states_match_reference_in_interpreter(tmp_path, factors):
     """Forward with kept chunk states (at the kernels' chunk and at twice it) equal to the
     reference's kept states in float64; the backward from kept states (the kernels' own, and the
-    reference's, as after a forward that fell back) equal to the analytic backward."""
+    reference's, as after a forward that fell back) equal to the analytic backward. With the
+    scans' gate terms precomputed (default) and recomputed per step (CHUNK_SCAN_FACTORS and
+    SCAN_ROW_FACTORS off, the benchmarks' A/B path)."""
     env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", KEPT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", KEPT_SCRIPT, factors], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.count("\n") == 4, proc.stdout
+
+
+def test_compile_report_builds_every_default_mlstm_kernel_for_sm90(tmp_path):
+    """benchmarks/compile_report.py (registers, spills and shared memory per kernel for sm_90,
+    without a GPU) compiles every mLSTM kernel the defaults launch: it had silently rotted once
+    (stride arguments typed as pointers after the strided reads)."""
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
+    if not os.path.exists(ptxas):
+        pytest.skip("this Triton bundles no ptxas-blackwell")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XACCEL_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "compile_report.py"), "--mlstm-shapes",
+                           "64x64", "--no-gemm"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("mlstm_")]
+    names = {ln.split()[0] for ln in lines}
+    assert {"mlstm_chunk_gates", "mlstm_chunk_states", "mlstm_fwd", "mlstm_bwd_rows", "mlstm_bwd_states",
+            "mlstm_bwd"} <= names, proc.stdout
+    assert all("regs " in ln and "over the" not in ln for ln in lines), proc.stdout
+
+
+FP16_SCRIPT = textwrap.dedent("""
+    import os, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    from torch_xaccel.ops.mlstm_backward import backward as analytic
+    from torch_xaccel.codegen import triton_mlstm
+    torch.manual_seed(0)
+    B, H, S, DK, DV = 1, 2, 37, 16, 16
+    bad = 0
+    for shift, kernels in ((0.0, True), (-12.0, False)):
+        x = [torch.randn(B, H, S, DK).half(), torch.randn(B, H, S, DK).half(), torch.randn(B, H, S, DV).half(),
+             torch.randn(B, H, S) + shift, torch.randn(B, H, S) + 2]
+        cots = [torch.randn(B, H, S, DV).half(), torch.randn(B, H, DK, DV), torch.randn(B, H, DK), torch.randn(B, H)]
+        ran = triton_mlstm.backward(None, *cots, *x, None, None, None, 1e-6, 64) is not NotImplemented
+        got = torch.ops.xaccel.mlstm_backward(*cots, *x, None, None, None, 1e-6, 64, None, [])
+        want = analytic(*(c.double() for c in cots), *(t.double() for t in x))
+        errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want)]
+        print(shift, ran, " ".join(f"{e:.1e}" for e in errs))
+        bad += ran != kernels or not all(e <= 5e-2 for e in errs)  # NaN fails too
+    raise SystemExit(bad)
+""")
+
+
+def test_fp16_backward_with_a_huge_state_gradient_runs_the_reference(tmp_path):
+    """In fp16 the scan's true-state gradient, gC * exp(-m_T), overflows with very negative input
+    gates (m_T about -12: NaN gradients from the kernels). The kernels decline that case and the
+    reference (fp32 state math) takes it: finite gradients within fp16 accuracy; ordinary gates
+    still run the kernels."""
+    env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", FP16_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.count("\n") == 2, proc.stdout

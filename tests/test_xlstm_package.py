@@ -71,7 +71,12 @@ def test_xlstm_large_native_train_step_equal_to_eager(monkeypatch):
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     torch._dynamo.reset()
-    kept = []  # a training graph runs the mlstm that keeps its chunk states for the backward
+    # a training graph runs the mlstm that keeps its chunk states for the backward where the
+    # kernels' backward reads them (CUDA); here on the CPU, say it does
+    from torch_xaccel.codegen import triton_mlstm
+
+    monkeypatch.setattr(triton_mlstm, "backward_reads_kept_states", lambda *a: True)
+    kept = []
     monkeypatch.setattr(mlstm_op, "_reference_saving", lambda *a: kept.append(1) or mlstm_op.reference(
         *a, keep_chunk_states=True))
     got = torch.compile(model, backend="xaccel")(tokens)[0]

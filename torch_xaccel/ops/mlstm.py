@@ -182,7 +182,10 @@ def mlstm_with_chunk_states(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tenso
                             n0: Tensor | None, m0: Tensor | None, eps: float, chunk_size: int
                             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """xaccel::mlstm plus the state entering each chunk (C, n, m per chunk; chunk_states_shapes),
-    which its backward reads instead of recomputing them: the op a training graph runs."""
+    which its backward reads instead of recomputing them: the op a training graph runs where the
+    kernels' backward reads them. Those and the final state are saved for the backward, so
+    modifying any of them in place before it raises autograd's version error (as for any saved
+    output)."""
     outs = runtime.dispatch(SAVING_OP_NAME, case_key, _reference_saving, q, k, v, i, f, C0, n0, m0, eps, chunk_size)
     return tuple(o.contiguous() for o in outs)
 
