@@ -21,8 +21,9 @@ nothing (logf = 0, i = -inf-like).
 
 xaccel::mlstm_with_chunk_states is the same op that also returns the state entering every chunk
 of chunk_size positions (in the kernels' layout); its backward reads them instead of rerunning the
-sequential state scan. The lowering uses it when the graph trains (run_passes), at the cost of
-holding those states until the backward (DQK/chunk_size x v's size).
+sequential state scan. The lowering uses it when the graph trains and the kernels' backward would
+read them (lowering.keep_mlstm_chunk_states), at the cost of holding those states until the
+backward (DQK/chunk_size x v's size; XACCEL_MLSTM_KEEP_STATES=0 declines).
 """
 from __future__ import annotations
 
