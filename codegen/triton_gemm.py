@@ -276,10 +276,23 @@ def choose(case: _Case, reference_fn, make_case) -> tuple | None:
 _DECISIONS: dict = {}
 
 
+def _int32_reach(a, bs, operands, b_transposed) -> bool:
+    """Whether every element the kernels address lies below 2^31 elements from its tensor's start
+    (the kernels compute offsets in int32: an LM head at 64K tokens x 50K vocab, 3.3e9 outputs,
+    would wrap around)."""
+    def reach(t):
+        return sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    N = bs[0].shape[0] if b_transposed else bs[0].shape[1]
+    return max([a.numel() // a.shape[-1] * N, *(reach(t) + 1 for t in (a, *bs, *operands))]) < 2 ** 31
+
+
 def provider(key, a, bs, operands, epilogue, b_transposed):
     if a.dtype not in DTYPES or any(b.dim() != 2 for b in bs) or a.numel() == 0 or bs[0].numel() == 0:
         return NotImplemented
     from torch_xaccel.ops.gemm_epilogue import aten_composition
+
+    if not _int32_reach(a, bs, operands, b_transposed):
+        return aten_composition(a, bs, operands, epilogue, b_transposed)  # cuBLAS takes 64-bit sizes
 
     cfg = _DECISIONS.get(key, "unset")
     if cfg is None:

@@ -453,7 +453,8 @@ def step(key, q, k, v, i, f, C, n, m, eps, scale_q=False):
     synchronisation, outputs allocated by the caching allocator)."""
     B, H, DK = q.shape
     DV = v.shape[-1]
-    if q.dtype not in DTYPES or DK not in HEAD_DIMS or DV not in HEAD_DIMS or not all(t.dtype == q.dtype for t in (k, v)):
+    if q.dtype not in DTYPES or DK not in HEAD_DIMS or DV not in HEAD_DIMS or not all(t.dtype == q.dtype for t in (k, v)) \
+            or B * H * DK * DV >= 2 ** 31:  # int32 offsets into the state
         return NotImplemented
     q, k, v, i, f = (t.contiguous() for t in (q, k, v, i, f))
     C, n, m = (t.float().contiguous() for t in (C, n, m))

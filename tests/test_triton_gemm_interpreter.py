@@ -132,3 +132,27 @@ def test_candidate_lists_by_shape_class():
     assert tg.candidates(128, 1, torch.bfloat16, 4096) == tg.SMALL_M
     assert tg.candidates(8192, 2, torch.bfloat16, 8) == tg.DUAL
     assert tg.candidates(8192, 1, torch.float32, 8) == tg.FP32
+
+
+def test_outputs_or_inputs_past_int32_offsets_go_to_aten(monkeypatch):
+    """The GEMM kernels compute offsets in int32: an LM head at 64K tokens x 50304 vocab has
+    3.3e9 outputs. Such a call runs the ATen composition (cuBLAS takes 64-bit sizes) instead of a
+    kernel that would wrap around; one just below the limit still goes to the kernels."""
+    import torch
+
+    from torch_xaccel.codegen import triton_gemm as tg
+    from torch_xaccel.ops import gemm_epilogue
+
+    monkeypatch.setattr(gemm_epilogue, "aten_composition", lambda *a: "aten")
+
+    def tuned(*a):
+        raise AssertionError("a kernel was considered")
+    monkeypatch.setattr(tg, "choose", tuned)
+    big = torch.empty(65536, 4096, dtype=torch.bfloat16, device="meta")
+    head = torch.empty(50304, 4096, dtype=torch.bfloat16, device="meta")
+    assert not tg._int32_reach(big, [head], [], True)
+    assert tg.provider(("k",), big, [head], [], "unused", True) == "aten"
+    sliced = torch.empty(2 ** 19, 8192, dtype=torch.bfloat16, device="meta")[:, :4096]  # a reaches 4.3e9
+    assert tg._int32_reach(sliced[:4], [head], [], True)  # its first rows: small
+    assert not tg._int32_reach(sliced, [head[:8]], [], True)  # 4.2e6 outputs, but a reaches past 2^31
+    assert tg._int32_reach(torch.empty(40000, 4096, dtype=torch.bfloat16, device="meta"), [head], [], True)
