@@ -16,6 +16,7 @@ from torch_xaccel.epilogue_ir import parse
 
 from . import cache
 from .cache import SHARED_LIMIT
+from .offsets import INT32_LIMIT, reach
 from .render import render_gemm_epilogue, template_digest
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -280,10 +281,8 @@ def _int32_reach(a, bs, operands, b_transposed) -> bool:
     """Whether every element the kernels address lies below 2^31 elements from its tensor's start
     (the kernels compute offsets in int32: an LM head at 64K tokens x 50K vocab, 3.3e9 outputs,
     would wrap around)."""
-    def reach(t):
-        return sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
     N = bs[0].shape[0] if b_transposed else bs[0].shape[1]
-    return max([a.numel() // a.shape[-1] * N, *(reach(t) + 1 for t in (a, *bs, *operands))]) < 2 ** 31
+    return max([a.numel() // a.shape[-1] * N, *(reach(t) for t in (a, *bs, *operands))]) < INT32_LIMIT
 
 
 def provider(key, a, bs, operands, epilogue, b_transposed):

@@ -20,6 +20,7 @@ from torch_xaccel.config import tuning_enabled
 
 from . import cache
 from .cache import SHARED_LIMIT
+from .offsets import INT32_LIMIT, reach
 from .render import _ENV, template_digest
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -310,7 +311,7 @@ def _supported(q, k, v, S, phase: str) -> bool:
     memory (else the op runs its reference)."""
     DK, DV = q.shape[-1], v.shape[-1]
     if not (q.dtype in DTYPES and DK in HEAD_DIMS and DV in HEAD_DIMS and S > 0
-            and all(t.dtype == q.dtype for t in (k, v)) and max(q.numel(), v.numel()) < 2 ** 31):
+            and all(t.dtype == q.dtype for t in (k, v)) and max(q.numel(), v.numel()) < INT32_LIMIT):
         return False  # (int32 offsets: larger tensors run the reference)
     return cache.interpreting() or _any_config_fits(phase, DK, DV, q.element_size())
 
@@ -343,8 +344,7 @@ def _strided(t: torch.Tensor) -> torch.Tensor:
     sliced from a wide fused projection): the kernels compute offsets in int32."""
     if not READ_STRIDED or (t.dim() == 4 and t.stride(-1) != 1) or t.numel() == 0:
         return t.contiguous()
-    reach = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-    return t if reach < 2 ** 31 else t.contiguous()
+    return t if reach(t) <= INT32_LIMIT else t.contiguous()
 
 
 def _rows(*ts: torch.Tensor) -> list[int]:
@@ -362,7 +362,7 @@ def chunk_states(k, v, i, f, C0, n0, m0, cfg):
     L, BK, BVS, stages = cfg["L"], cfg["BK"], cfg["BVS"], cfg["stages"]
     NC = -(-S // L)
     dev, f32 = k.device, torch.float32
-    if B * H * NC * DK * DV >= 2 ** 31:  # the kernels' offsets are int32: this config cannot run here
+    if B * H * NC * DK * DV >= INT32_LIMIT:  # the kernels' offsets are int32: this config cannot run here
         raise ValueError(f"mLSTM chunk states at chunk {L} would hold {B * H * NC * DK * DV} elements (>= 2^31)")
     Cs = torch.empty(B * H * NC * DK * DV, dtype=k.dtype, device=dev)
     ns = torch.empty(B * H * NC * DK, dtype=f32, device=dev)
@@ -454,7 +454,7 @@ def step(key, q, k, v, i, f, C, n, m, eps, scale_q=False):
     B, H, DK = q.shape
     DV = v.shape[-1]
     if q.dtype not in DTYPES or DK not in HEAD_DIMS or DV not in HEAD_DIMS or not all(t.dtype == q.dtype for t in (k, v)) \
-            or B * H * DK * DV >= 2 ** 31:  # int32 offsets into the state
+            or B * H * DK * DV >= INT32_LIMIT:  # int32 offsets into the state
         return NotImplemented
     q, k, v, i, f = (t.contiguous() for t in (q, k, v, i, f))
     C, n, m = (t.float().contiguous() for t in (C, n, m))
