@@ -2,8 +2,12 @@
 shape against cuBLAS alone and the ATen composition, and profile a training step's kernels.
 
     python benchmarks/gemm_probe.py configs M K N      # e.g. 16384 4096 16384, or 128 4096 16384
-    python benchmarks/gemm_probe.py train              # top CUDA kernels of xaccel vs eager, 4-layer MLP
+    python benchmarks/gemm_probe.py train [eager] [xaccel] [xaccel-nobwd] [inductor]   # top CUDA kernels of a 4-layer MLP train step
+
+xaccel-nobwd: xaccel with XACCEL_BACKWARD_FUSION=0 (the backward as aot_autograd traced it), for an
+A/B of the backward graph's fused GEMM chains in one process.
 """
+import os
 import sys
 
 import torch
@@ -27,8 +31,9 @@ def configs(M, K, N):
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
     ops = [torch.randn(N, device="cuda", dtype=torch.bfloat16), torch.randn(M, N, device="cuda", dtype=torch.bfloat16)]
     flop = 2 * M * N * K
-    print(f"M{M} K{K} N{N}: cuBLAS alone {bench(lambda: x @ w.t()):.4f} ms, "
-          f"ATen composition {bench(lambda: reference(x, [w], ops, GELU_RES, True)):.4f} ms", flush=True)
+    timer = triton_gemm._gpu_ms if M <= triton_gemm.SMALL_M_ROWS else bench  # decode sizes: GPU time, as tuning does
+    print(f"M{M} K{K} N{N} ({'GPU time' if timer is not bench else 'do_bench'}): cuBLAS alone {timer(lambda: x @ w.t()):.4f} ms, "
+          f"ATen composition {timer(lambda: reference(x, [w], ops, GELU_RES, True)):.4f} ms", flush=True)
     case = triton_gemm._Case(x, [w], ops, GELU_RES, True)
     outs = case.new_outputs()
     cands = triton_gemm.LARGE + triton_gemm.SMALL_M if M > 256 else triton_gemm.SMALL_M + triton_gemm.LARGE[:4]
@@ -36,7 +41,7 @@ def configs(M, K, N):
         if not case.usable(cfg):
             continue
         try:
-            ms = bench(lambda: case.launch(cfg, outs))
+            ms = timer(lambda: case.launch(cfg, outs))
             print(f"  {cfg}: {ms:.4f} ms  {flop / ms / 1e9:.0f} TFLOP/s", flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"  {cfg}: FAILED {type(e).__name__}: {str(e)[:120]}", flush=True)
@@ -50,9 +55,10 @@ def train():
     case = mlp_train(16384)
     f, args, _, step = case.make()
     which = sys.argv[2:] or ["eager", "xaccel"]
-    for name, fn in [("eager", f), ("xaccel", torch.compile(f, backend="xaccel"))]:
-        if name not in which:
-            continue
+    for name in which:
+        os.environ["XACCEL_BACKWARD_FUSION"] = "0" if name == "xaccel-nobwd" else "1"
+        torch._dynamo.reset()
+        fn = f if name == "eager" else torch.compile(f, backend=name.split("-")[0])
         run = step(fn)
         for _ in range(3):
             run()

@@ -23,6 +23,16 @@ _UNARY = {
     "tanh": "_tanh({x})",
 }
 _BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+# g times the activation's derivative at x (ATen's *_backward formulas); t: a temporary for the node
+_GRAD = {
+    "gelu_grad": ["{g} * (0.5 * (1.0 + tl.erf({x} * 0.7071067811865476)) + {x} * 0.3989422804014327 * tl.exp(-0.5 * {x} * {x}))"],
+    "gelu_tanh_grad": ["{t} = _tanh(0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x}))",
+                       "{g} * (0.5 * (1.0 + {t}) + 0.5 * {x} * (1.0 - {t} * {t}) * 0.7978845608028654 * (1.0 + 0.134145 * {x} * {x}))"],
+    "silu_grad": ["{t} = tl.sigmoid({x})", "{g} * {t} * (1.0 + {x} * (1.0 - {t}))"],
+    "sigmoid_grad": ["{g} * (1.0 - {x}) * {x}"],
+    "tanh_grad": ["{g} * (1.0 - {x} * {x})"],
+    "relu_grad": ["tl.where({x} > 0.0, {g}, 0.0)"],
+}
 _LOAD = {
     "full": "tl.load(op{j}_ptr + offs_m[:, None] * op{j}_sm + offs_n[None, :] * op{j}_sn, mask=mask, other=0.0).to(tl.float32)",
     "row": "tl.load(op{j}_ptr + offs_n * op{j}_sn, mask=mask_n, other=0.0).to(tl.float32)[None, :]",
@@ -47,6 +57,11 @@ def epilogue_lines(ep: Epilogue, acc_suffix: str = "") -> list[str]:
             loaded.setdefault(key, f"v{i}")
         elif op in _UNARY:
             expr = _UNARY[op].format(x=f"v{n['in'][0]}")
+        elif op in _GRAD:
+            names = dict(g=f"v{n['in'][0]}", x=f"v{n['in'][1]}", t=f"t{i}")
+            *temps, last = _GRAD[op]
+            lines += [t.format(**names) for t in temps]
+            expr = last.format(**names)
         else:
             x, y = n["in"]
             expr = f"v{x} {_BINARY[op]} v{y}"
@@ -56,7 +71,10 @@ def epilogue_lines(ep: Epilogue, acc_suffix: str = "") -> list[str]:
 
 # tma2: the persistent TMA kernel whose epilogue runs on two BLOCK_N/2 halves of the tile in turn,
 # halving the registers the chain's temporaries need next to the accumulator
-VARIANTS = {"ptr": "gemm_epilogue.py.jinja", "tma": "gemm_epilogue_tma.py.jinja", "tma2": "gemm_epilogue_tma.py.jinja"}
+# splitk: the ptr kernel summing one slice of K per program into fp32 partials, plus a reduce +
+# epilogue kernel (<name>_reduce) in the same module
+VARIANTS = {"ptr": "gemm_epilogue.py.jinja", "tma": "gemm_epilogue_tma.py.jinja", "tma2": "gemm_epilogue_tma.py.jinja",
+            "splitk": "gemm_epilogue.py.jinja"}
 
 
 def render_gemm_epilogue(ep: Epilogue, n_operands: int, input_precision: str, variant: str = "ptr",
@@ -65,7 +83,8 @@ def render_gemm_epilogue(ep: Epilogue, n_operands: int, input_precision: str, va
     strides); "tma": persistent, tensor-descriptor loads (Hopper); "tma2": tma with the epilogue
     on two half tiles. All run in Triton's interpreter too.
     sizes_constexpr makes M, N, K compile-time constants: Triton 3.6's interpreter cannot loop to
-    a run-time bound under NumPy 2 (it hands scalars over as 1-element arrays).
+    a run-time bound under NumPy 2 (it hands scalars over as 1-element arrays). "splitk": the ptr
+    kernel over one slice of K per program, plus <name>_reduce (sums the slices, runs the chain).
     The name carries a hash of everything that shapes the source."""
     digest = hashlib.sha256(f"{ep.to_json()}|{n_operands}|{input_precision}|{variant}|{b_transposed}|{sizes_constexpr}"
                             .encode()).hexdigest()[:12]
@@ -74,7 +93,7 @@ def render_gemm_epilogue(ep: Epilogue, n_operands: int, input_precision: str, va
         kernel_name=name, n_gemms=ep.num_accs, n_operands=n_operands, n_outputs=len(ep.outputs),
         description=ep.describe(), epilogue_json=ep.to_json(), epilogue_lines=epilogue_lines(ep),
         outputs=[(k, f"v{o}") for k, o in enumerate(ep.outputs)], input_precision=input_precision,
-        b_transposed=b_transposed, sizes_constexpr=sizes_constexpr, subtile=variant == "tma2",
+        b_transposed=b_transposed, sizes_constexpr=sizes_constexpr, subtile=variant == "tma2", split_k=variant == "splitk",
         lines_a=epilogue_lines(ep, "_a"), lines_b=epilogue_lines(ep, "_b"))
     return name, src
 

@@ -35,6 +35,11 @@ UNARY_TARGETS = {aten.relu.default: "relu", aten.silu.default: "silu", aten.sigm
                  aten.tanh.default: "tanh", aten.gelu.default: "gelu"}
 BINARY_TARGETS = {aten.add.Tensor: "add", aten.sub.Tensor: "sub", aten.mul.Tensor: "mul",
                   aten.div.Tensor: "div", aten.rsub.Scalar: "rsub"}
+# activation gradients (g, x): taken only in backward graphs (run(..., backward=True)), where a
+# GEMM's result is the gradient flowing into an activation; the IR has no vjp for them
+GRAD_TARGETS = {aten.gelu_backward.default: "gelu_grad", aten.silu_backward.default: "silu_grad",
+                aten.sigmoid_backward.default: "sigmoid_grad", aten.tanh_backward.default: "tanh_grad",
+                aten.threshold_backward.default: "relu_grad"}
 
 
 @dataclass
@@ -110,6 +115,7 @@ class Chain:
     operands: list[torch.fx.Node] = field(default_factory=list)
     gemms: list[Gemm] = field(default_factory=list)
     nodes: list[torch.fx.Node] = field(default_factory=list)  # replaced FX nodes, in apply order
+    grad_ops: bool = False  # may take activation-gradient ops (a backward graph)
 
     def _add(self, d: dict) -> int:
         self.ir.append(d)
@@ -179,7 +185,7 @@ def operand_bcast(node, out_val) -> str:
 def describe_step(u: torch.fx.Node, cur: torch.fx.Node, chain: Chain):
     """(op, arg specs) when `u` can extend the chain whose current value is `cur`, else a reason."""
     name = getattr(u.target, "__name__", str(u.target))
-    if u.op != "call_function" or (u.target not in UNARY_TARGETS and u.target not in BINARY_TARGETS):
+    if u.op != "call_function" or not (u.target in UNARY_TARGETS or u.target in BINARY_TARGETS or u.target in GRAD_TARGETS):
         return f"{name} is not an elementwise op the epilogue supports"
     out, cv = val(u), val(cur)
     if not isinstance(out, torch.Tensor) or out.dtype != cv.dtype:
@@ -194,16 +200,40 @@ def describe_step(u: torch.fx.Node, cur: torch.fx.Node, chain: Chain):
             approx = u.kwargs.get("approximate", u.args[1] if len(u.args) > 1 else "none")
             op = "gelu_tanh" if approx == "tanh" else "gelu"
         return op, [("ref", cur)]
+    if u.target in GRAD_TARGETS:
+        return _grad_step(u, cur, chain, name, cv)
     if u.kwargs.get("alpha", 1) != 1 or len(u.args) > 2:
         return f"{name} with alpha other than 1"
     op = BINARY_TARGETS[u.target]
     x, y = u.args[0], u.args[1]
     if op == "rsub":  # rsub(x, y) = y - x
         op, x, y = "sub", y, x
-    if cur not in (x, y):
+    specs = _arg_specs(name, (x, y), cur, chain, cv)
+    return specs if isinstance(specs, str) else (op, specs)
+
+
+def _grad_step(u: torch.fx.Node, cur: torch.fx.Node, chain: Chain, name: str, cv):
+    """An activation-gradient op (g, x): only in a backward graph, both arguments tensors."""
+    if not chain.grad_ops:
+        return f"{name} in a graph that trains (second derivatives are not modelled)"
+    op = GRAD_TARGETS[u.target]
+    if op == "gelu_grad" and u.kwargs.get("approximate", u.args[2] if len(u.args) > 2 else "none") == "tanh":
+        op = "gelu_tanh_grad"
+    if op == "relu_grad" and (u.args[2] if len(u.args) > 2 else u.kwargs.get("threshold")) != 0:
+        return f"{name} with a threshold other than 0"
+    g, x = u.args[0], u.args[1]
+    if not (isinstance(g, torch.fx.Node) and isinstance(x, torch.fx.Node)):
+        return f"{name} with a non-tensor argument"
+    specs = _arg_specs(name, (g, x), cur, chain, cv)
+    return specs if isinstance(specs, str) else (op, specs)
+
+
+def _arg_specs(name: str, args, cur: torch.fx.Node, chain: Chain, cv):
+    """Specs for a binary step's two arguments (one of them the chain value), or a reason."""
+    if cur not in args:
         return f"{name} does not take the chain value"
     specs = []
-    for arg in (x, y):
+    for arg in args:
         if isinstance(arg, torch.fx.Node) and arg in chain.ids:
             specs.append(("ref", arg))
         elif isinstance(arg, torch.fx.Node):
@@ -217,7 +247,7 @@ def describe_step(u: torch.fx.Node, cur: torch.fx.Node, chain: Chain):
             specs.append(("const", float(arg)))
         else:
             return f"{name} with a {type(arg).__name__} operand"
-    return op, specs
+    return specs
 
 
 def _reads_too_late(chain: Chain, u: torch.fx.Node, desc, order: dict) -> bool:
@@ -376,8 +406,10 @@ def rewrite(gm: torch.fx.GraphModule, chain: Chain, mutated: set, stop_note: str
     return True
 
 
-def run(gm: torch.fx.GraphModule, report: GraphReport, training: bool) -> None:
-    """training: gradients will flow (the forward then also emits what the backward reads)."""
+def run(gm: torch.fx.GraphModule, report: GraphReport, training: bool, backward: bool = False) -> None:
+    """training: gradients will flow (the forward then also emits what the backward reads).
+    backward: an aot_autograd backward graph (lowering/backward.py): activation-gradient ops may
+    join a chain, and GEMMs with nothing to fuse (most weight gradients) are not reported."""
     graph = gm.graph
     mutated = mutated_nodes(graph)
     gone: set = set()
@@ -389,6 +421,7 @@ def run(gm: torch.fx.GraphModule, report: GraphReport, training: bool) -> None:
         if alive(m):
             chain = dual_chain(m)
             if chain is not None:
+                chain.grad_ops = backward
                 note = extend(chain, chain.nodes[-1], mutated)
                 if rewrite(gm, chain, mutated, note, report, training):
                     gone.update(chain.nodes)
@@ -401,13 +434,15 @@ def run(gm: torch.fx.GraphModule, report: GraphReport, training: bool) -> None:
         if isinstance(g, str):
             report.fallbacks.append(Fallback(FAMILY, f"{GEMM_TARGETS[node.target]}: {g}", location(node)))
             continue
-        chain = Chain()
+        chain = Chain(grad_ops=backward)
         reason = chain.add_gemm(g, val(node))
         if reason is not None:
             report.fallbacks.append(Fallback(FAMILY, f"{GEMM_TARGETS[node.target]}: {reason}", location(node)))
             continue
         note = extend(chain, node, mutated)
         if chain.n_ops() == 0:
+            if backward:
+                continue
             what = GEMM_TARGETS[node.target] + (" + bias" if g.bias is not None else "")
             report.fallbacks.append(Fallback(FAMILY, f"{what} alone: nothing to fuse, stays on ATen"
                                              + (f" ({note})" if note else ""), location(node)))

@@ -10,6 +10,7 @@ point and registers the function itself; a second registration fails with "dupli
 """
 from __future__ import annotations
 
+import copy
 import warnings
 
 import torch
@@ -61,14 +62,15 @@ def _carry_dynamo_metadata(dynamo_gm: torch.fx.GraphModule, lowered: torch.fx.Gr
     lowered.meta["dynamo_compile_id"] = dynamo_gm.meta["dynamo_compile_id"]
 
 
-def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str, patches: dict):
+def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str, patches: dict, backward_pass=None):
     """Run the lowered graph: through Inductor (with torch.compile's mode/options as config
     patches), or eagerly. Eagerly under CUDA graphs when the mode asks for them (torch's CUDA graph
     trees, with parameters kept in place: graphed_rest.py; they skip graphs with CPU tensors and
     say why). Eagerly with grad mode off (Dynamo guards on it and recompiles when it changes), the
     ATen graph runs as it is: without autograd aot_autograd adds nothing but a second trace of the whole graph
     (about 1 s of the 8 s first call of the 7B-width xLSTMLarge prefill on this project's CPU
-    machine) and a per-call wrapper."""
+    machine) and a per-call wrapper. backward_pass (eager only): rewrites the backward graph
+    before it runs (lowering/backward.py); Inductor fuses the backward's elementwise ops itself."""
     if fallback == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
@@ -85,7 +87,32 @@ def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str, patch
     def run_eagerly(g, _inputs):
         return make_boxed_func(_direct_calls(g).forward)
 
-    return aot_autograd(fw_compiler=run_eagerly, bw_compiler=run_eagerly)(gm, example_inputs)
+    def run_backward(g, inputs):
+        if backward_pass is not None:
+            g = backward_pass(g)
+        return run_eagerly(g, inputs)
+
+    return aot_autograd(fw_compiler=run_eagerly, bw_compiler=run_backward)(gm, example_inputs)
+
+
+def _backward_pass(cfg, report):
+    """The backward graph's GEMM chains (XACCEL_BACKWARD_FUSION, default on, and the gemm_epilogue
+    family enabled). It runs at the first backward call: a failure there is reported and the
+    backward graph runs as traced, as a forward failure would."""
+    if not (cfg.backward_fusion and "gemm_epilogue" in cfg.patterns):
+        return None
+
+    def fuse(g: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        from .lowering import backward
+
+        try:
+            return backward.run(copy.deepcopy(g), report)
+        except Exception as e:  # noqa: BLE001 - never fail because of xaccel
+            report.fallbacks.append(Fallback("backend", f"backward graph: {type(e).__name__}: {e}; ran it as traced"))
+            warnings.warn(f"xaccel: backward pass failed ({type(e).__name__}: {e}); running the backward graph as traced",
+                          XaccelFallbackWarning, stacklevel=2)
+            return g
+    return fuse
 
 
 def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **options):
@@ -120,7 +147,8 @@ def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **options):
             compiled = _compile_rest(gm, example_inputs, cfg.fallback, patches)
         else:
             _carry_dynamo_metadata(gm, lowered)
-            compiled = _compile_rest(lowered, example_inputs, cfg.fallback, patches)
+            compiled = _compile_rest(lowered, example_inputs, cfg.fallback, patches,
+                                     _backward_pass(cfg, report) if training else None)
         report.settings = settings  # (not on the paths that run the captured graph as it is)
         return compiled
     except Exception as e:  # noqa: BLE001 - the contract: never fail a compile because of xaccel

@@ -20,6 +20,7 @@ class Config:
     log: bool
     cache_dir: Path
     keep_mlstm_states: bool = True
+    backward_fusion: bool = True
 
 
 def _flag(name: str) -> bool:
@@ -35,6 +36,13 @@ def tuning_enabled() -> bool:
     """XACCEL_TUNE (default on): off, kernels take their default configs (or a decision already
     stored in the cache) and nothing is timed, which shortens a cold compile by the tuning time."""
     return not os.environ.get("XACCEL_TUNE", "").strip() or _flag("XACCEL_TUNE")
+
+
+def backward_fusion() -> bool:
+    """XACCEL_BACKWARD_FUSION (default on): a training graph's backward also fuses each GEMM with
+    the activation gradient or residual add that follows it (lowering/backward.py); off, the
+    backward runs as aot_autograd traced it (cuBLAS GEMMs and one kernel per elementwise op)."""
+    return not os.environ.get("XACCEL_BACKWARD_FUSION", "").strip() or _flag("XACCEL_BACKWARD_FUSION")
 
 
 def keep_mlstm_states() -> bool:
@@ -91,4 +99,4 @@ def load() -> Config:
     compile_threads()
     return Config(disable=_flag("XACCEL_DISABLE"), patterns=_patterns(FAMILIES_WITH_PASSES),
                   fallback=_fallback(), log=_flag("XACCEL_LOG"), cache_dir=_cache_dir(),
-                  keep_mlstm_states=keep_mlstm_states())
+                  keep_mlstm_states=keep_mlstm_states(), backward_fusion=backward_fusion())

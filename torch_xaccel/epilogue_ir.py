@@ -13,6 +13,11 @@ Node kinds (each a dict with "op"):
   const  {"value": v}                 a Python number
   unary  {"in": [x]}                  relu, gelu, gelu_tanh, silu, sigmoid, tanh
   binary {"in": [x, y]}               add, sub, mul, div
+  grad   {"in": [g, x]}               gelu_grad, gelu_tanh_grad, silu_grad (x: the activation's
+                                      input), sigmoid_grad, tanh_grad (x: its output), relu_grad
+                                      (x: input or output): g times the activation's derivative, as
+                                      ATen's *_backward ops; they appear in backward graphs, where
+                                      a GEMM's result is the incoming gradient, and have no vjp
 "outputs" lists the node ids the op returns: the chain's final value first, then intermediates
 the rest of the graph also reads.
 """
@@ -27,6 +32,7 @@ import torch
 
 UNARY = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh")
 BINARY = ("add", "sub", "mul", "div")
+GRAD = ("gelu_grad", "gelu_tanh_grad", "silu_grad", "sigmoid_grad", "tanh_grad", "relu_grad")
 BCASTS = ("full", "row", "col", "scalar")
 
 
@@ -55,7 +61,7 @@ class Epilogue:
     def validate(self) -> None:
         for i, n in enumerate(self.nodes):
             op = n["op"]
-            if op in UNARY or op in BINARY:
+            if op in UNARY or op in BINARY or op in GRAD:
                 want = 1 if op in UNARY else 2
                 if len(n["in"]) != want or any(not 0 <= j < i for j in n["in"]):
                     raise ValueError(f"epilogue node {i} ({op}) has bad inputs {n['in']}")
@@ -73,7 +79,7 @@ class Epilogue:
             op = n["op"]
             if op in UNARY:
                 parts.append(op)
-            elif op in BINARY:
+            elif op in BINARY or op in GRAD:
                 srcs = [self.nodes[j] for j in n["in"]]
                 extra = [f"{s['value']:g}" if s["op"] == "const" else s["bcast"] for s in srcs if s["op"] in ("const", "load")]
                 parts.append(f"{op}({', '.join(extra)})" if extra else op)
@@ -97,6 +103,15 @@ _UNARY_FN = {
     "tanh": torch.tanh,
 }
 _BINARY_FN = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
+_GRAD_FN = {  # ATen's own backward formulas, so a fused backward chain matches eager's
+    # both inputs are tensors: the lowering takes no constants into these
+    "gelu_grad": lambda g, x: torch.ops.aten.gelu_backward(g, x),
+    "gelu_tanh_grad": lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate="tanh"),
+    "silu_grad": lambda g, x: torch.ops.aten.silu_backward(g, x),
+    "sigmoid_grad": lambda g, y: torch.ops.aten.sigmoid_backward(g, y),
+    "tanh_grad": lambda g, y: torch.ops.aten.tanh_backward(g, y),
+    "relu_grad": lambda g, x: torch.ops.aten.threshold_backward(g, x, 0),
+}
 
 
 def _read_directly(ep: Epilogue) -> set[int]:
@@ -158,6 +173,8 @@ def evaluate(ep: Epilogue, accs: Sequence[torch.Tensor], operands: Sequence[torc
             vals.append(n["value"])
         elif op in _UNARY_FN:
             vals.append(_UNARY_FN[op](vals[n["in"][0]]))
+        elif op in _GRAD_FN:
+            vals.append(_GRAD_FN[op](*(vals[j] for j in n["in"])))
         else:
             x, y = (vals[j] for j in n["in"])
             vals.append(_BINARY_FN[op](x, y))
@@ -208,6 +225,9 @@ def vjp(ep: Epilogue, vals: list, out_grads: Sequence[torch.Tensor | None], dtyp
         elif op in _UNARY_FN:
             j = n["in"][0]
             push(j, _unary_grad(op, g, vals[j], vals[i]))
+        elif op in _GRAD_FN:
+            raise NotImplementedError(f"{op}: second derivatives are not modelled (lowering keeps grad ops out of "
+                                      "graphs that train)")
         else:
             a, b = n["in"]
             x, y = vals[a], vals[b]

@@ -25,6 +25,11 @@ def _b_kn(b: Tensor, b_transposed: bool) -> Tensor:
     return b.transpose(-1, -2) if b_transposed else b
 
 
+def _b_nk(b: Tensor, b_transposed: bool) -> Tensor:
+    """op(b)^T without a transpose of a transpose (the backward graph's GEMM then reads b as it is)."""
+    return b if b_transposed else b.transpose(-1, -2)
+
+
 def reference(a: Tensor, bs: list[Tensor], operands: list[Tensor], epilogue: str, b_transposed: bool) -> list[Tensor]:
     return _compose(a, bs, operands, epilogue, b_transposed, torch.float32)
 
@@ -98,7 +103,7 @@ def backward_reference(grads, a, bs, operands, epilogue, b_transposed, saved=Non
             dbs.append(torch.zeros_like(b))
             continue
         g = g.to(a.dtype)
-        part = torch.matmul(g, _b_kn(b, b_transposed).transpose(-1, -2)).sum_to_size(a.shape)
+        part = torch.matmul(g, _b_nk(b, b_transposed)).sum_to_size(a.shape)
         da = part if da is None else da + part
         if b.dim() == 2:  # fold all leading dims of a into M: one large GEMM
             a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
