@@ -36,7 +36,8 @@ def configs(M, K, N):
           f"ATen composition {timer(lambda: reference(x, [w], ops, GELU_RES, True)):.4f} ms", flush=True)
     case = triton_gemm._Case(x, [w], ops, GELU_RES, True)
     outs = case.new_outputs()
-    cands = triton_gemm.LARGE + triton_gemm.SMALL_M if M > 256 else triton_gemm.SMALL_M + triton_gemm.LARGE[:4]
+    cands = (triton_gemm.LARGE + triton_gemm.SMALL_M if M > 256
+             else triton_gemm.SMALL_M + triton_gemm.SPLIT_K + triton_gemm.LARGE[:4])
     for cfg in cands:
         if not case.usable(cfg):
             continue
@@ -52,6 +53,11 @@ def train():
 
     from torch_xaccel.bench import mlp_train
 
+    import time
+
+    from torch_xaccel.bench import tuning_report
+
+    t0 = time.time()
     case = mlp_train(16384)
     f, args, _, step = case.make()
     which = sys.argv[2:] or ["eager", "xaccel"]
@@ -68,6 +74,7 @@ def train():
             run()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
+    print(tuning_report(t0))
 
 
 if __name__ == "__main__":

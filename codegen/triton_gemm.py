@@ -34,14 +34,16 @@ SMALL_M = [("ptr", 128, 64, 128, 8, 4, 4, 0), ("ptr", 128, 32, 128, 8, 4, 5, 0),
            ("ptr", 64, 64, 128, 8, 4, 4, 0), ("ptr", 64, 128, 64, 8, 4, 4, 0), ("ptr", 32, 64, 128, 8, 4, 4, 0),
            ("ptr", 64, 32, 256, 8, 4, 3, 0), ("tma", 128, 64, 128, 8, 4, 4, 0), ("tma", 128, 32, 128, 8, 4, 5, 0),
            ("tma", 64, 64, 128, 8, 4, 5, 0), ("ptr", 128, 128, 64, 8, 8, 4, 0), ("tma", 128, 128, 64, 8, 8, 4, 0)]
-SMALL_M += [("splitk", 128, 128, 64, 8, 8, 4, 2), ("splitk", 128, 128, 64, 8, 8, 4, 4),
-            ("splitk", 64, 128, 64, 8, 4, 4, 2), ("splitk", 64, 128, 64, 8, 4, 4, 4)]
 # the 128x128 ptr/tma pair: at M128 one 128-row tile reads each weight tile once, with N/128
 # programs (128 at N16384, about one per SM); timed on the H200 (fifth session) they lost to ptr
 # 64x128x64 (0.0444 and 0.0453 against 0.0421 ms of GPU time; reading W once takes 0.028), which
-# reads W twice and relies on L2 for the second read. The split-K configs put 2-4 times as many
-# programs in flight over the same weight reads (the K loop is 64 steps at K4096); their partial
-# sums (split x M x N fp32, 8-17 MB at M128 N16384) mostly stay in the 50 MB L2.
+# reads W twice and relies on L2 for the second read.
+# Split-K: 2-4 times the programs over the same weight reads, for decode shapes with fewer 64x128
+# output tiles than SMs (FEW_TILES; e.g. a down projection, N4096 at M128: 64 tiles). At M128
+# K4096 N16384 (256 tiles) they lost on the H200 (ninth session: 0.059-0.071 against 0.042 ms).
+SPLIT_K = [("splitk", 128, 128, 64, 8, 8, 4, 2), ("splitk", 128, 128, 64, 8, 8, 4, 4),
+           ("splitk", 64, 128, 64, 8, 4, 4, 2), ("splitk", 64, 128, 64, 8, 4, 4, 4)]
+FEW_TILES = 128
 DUAL = [("tma", 128, 128, 64, 8, 8, 3, 1), ("tma", 128, 128, 64, 8, 8, 4, 0), ("tma", 128, 128, 64, 8, 8, 3, 0),
         ("tma", 256, 128, 64, 8, 8, 2, 1), ("tma2", 128, 128, 64, 8, 8, 4, 0), ("tma2", 128, 128, 64, 8, 8, 3, 1),
         ("ptr", 128, 128, 64, 8, 8, 3, 0), ("ptr", 128, 64, 64, 8, 4, 4, 0)]
@@ -78,7 +80,8 @@ def candidates(m: int, n_gemms: int, dtype: torch.dtype, n: int | None = None) -
     elif n is not None and n <= NARROW_N_COLS and n_gemms == 1:
         listed = NARROW_N
     elif m <= SMALL_M_ROWS:
-        listed = SMALL_M
+        few = n is not None and triton_cdiv(m, 64) * triton_cdiv(n, 128) < FEW_TILES
+        listed = SMALL_M + (SPLIT_K if few else [])
     else:
         listed = DUAL if n_gemms > 1 else LARGE
     return [c for c in listed if shared_bytes(c, n_gemms, dtype.itemsize) <= SHARED_LIMIT]

@@ -216,7 +216,8 @@ def test_candidate_lists_by_shape_class():
 
     assert tg.candidates(8192, 1, torch.bfloat16, 8) == tg.NARROW_N == tg.candidates(1, 1, torch.float16, 64)
     assert tg.candidates(8192, 1, torch.bfloat16, 65) == tg.LARGE == tg.candidates(8192, 1, torch.bfloat16)
-    assert tg.candidates(128, 1, torch.bfloat16, 4096) == tg.SMALL_M
+    assert tg.candidates(128, 1, torch.bfloat16, 16384) == tg.SMALL_M
+    assert tg.candidates(128, 1, torch.bfloat16, 4096) == tg.SMALL_M + tg.SPLIT_K  # 64 tiles of 64x128: split K
     assert tg.candidates(8192, 2, torch.bfloat16, 8) == tg.DUAL
     assert tg.candidates(8192, 1, torch.float32, 8) == tg.FP32
 
