@@ -71,10 +71,7 @@ def epilogue_lines(ep: Epilogue, acc_suffix: str = "") -> list[str]:
 
 # tma2: the persistent TMA kernel whose epilogue runs on two BLOCK_N/2 halves of the tile in turn,
 # halving the registers the chain's temporaries need next to the accumulator
-# splitk: the ptr kernel summing one slice of K per program into fp32 partials, plus a reduce +
-# epilogue kernel (<name>_reduce) in the same module
-VARIANTS = {"ptr": "gemm_epilogue.py.jinja", "tma": "gemm_epilogue_tma.py.jinja", "tma2": "gemm_epilogue_tma.py.jinja",
-            "splitk": "gemm_epilogue.py.jinja"}
+VARIANTS = {"ptr": "gemm_epilogue.py.jinja", "tma": "gemm_epilogue_tma.py.jinja", "tma2": "gemm_epilogue_tma.py.jinja"}
 
 
 def render_gemm_epilogue(ep: Epilogue, n_operands: int, input_precision: str, variant: str = "ptr",
@@ -83,8 +80,7 @@ def render_gemm_epilogue(ep: Epilogue, n_operands: int, input_precision: str, va
     strides); "tma": persistent, tensor-descriptor loads (Hopper); "tma2": tma with the epilogue
     on two half tiles. All run in Triton's interpreter too.
     sizes_constexpr makes M, N, K compile-time constants: Triton 3.6's interpreter cannot loop to
-    a run-time bound under NumPy 2 (it hands scalars over as 1-element arrays). "splitk": the ptr
-    kernel over one slice of K per program, plus <name>_reduce (sums the slices, runs the chain).
+    a run-time bound under NumPy 2 (it hands scalars over as 1-element arrays).
     The name carries a hash of everything that shapes the source."""
     digest = hashlib.sha256(f"{ep.to_json()}|{n_operands}|{input_precision}|{variant}|{b_transposed}|{sizes_constexpr}"
                             .encode()).hexdigest()[:12]
@@ -93,7 +89,7 @@ def render_gemm_epilogue(ep: Epilogue, n_operands: int, input_precision: str, va
         kernel_name=name, n_gemms=ep.num_accs, n_operands=n_operands, n_outputs=len(ep.outputs),
         description=ep.describe(), epilogue_json=ep.to_json(), epilogue_lines=epilogue_lines(ep),
         outputs=[(k, f"v{o}") for k, o in enumerate(ep.outputs)], input_precision=input_precision,
-        b_transposed=b_transposed, sizes_constexpr=sizes_constexpr, subtile=variant == "tma2", split_k=variant == "splitk",
+        b_transposed=b_transposed, sizes_constexpr=sizes_constexpr, subtile=variant == "tma2",
         lines_a=epilogue_lines(ep, "_a"), lines_b=epilogue_lines(ep, "_b"))
     return name, src
 

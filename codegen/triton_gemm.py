@@ -20,11 +20,9 @@ from .offsets import INT32_LIMIT, reach
 from .render import render_gemm_epilogue, template_digest
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# (variant, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, flatten | split)
+# (variant, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, flatten)
 #   ptr: one tile per program, pointer loads;  tma: persistent, tensor-descriptor loads (Hopper);
-#   tma2: tma with the epilogue run on two half tiles (fewer live registers next to the accumulator);
-#   splitk: ptr over one of `split` slices of K per program, fp32 partials, then a reduce + epilogue
-#   kernel (the last field is the split count there, the tile loop's flattening for tma)
+#   tma2: tma with the epilogue run on two half tiles (fewer live registers next to the accumulator)
 #   Not here on purpose: tl.range(warp_specialize=True) hung the H200 on Triton 3.6 (128x256x64, 8 warps).
 LARGE = [("tma", 128, 256, 64, 8, 8, 3, 1), ("tma", 128, 256, 64, 8, 8, 3, 0), ("tma", 256, 128, 64, 8, 8, 3, 1),
          ("tma", 128, 128, 64, 8, 8, 4, 1), ("tma", 128, 128, 64, 8, 4, 4, 1),
@@ -38,12 +36,10 @@ SMALL_M = [("ptr", 128, 64, 128, 8, 4, 4, 0), ("ptr", 128, 32, 128, 8, 4, 5, 0),
 # programs (128 at N16384, about one per SM); timed on the H200 (fifth session) they lost to ptr
 # 64x128x64 (0.0444 and 0.0453 against 0.0421 ms of GPU time; reading W once takes 0.028), which
 # reads W twice and relies on L2 for the second read.
-# Split-K: 2-4 times the programs over the same weight reads, for decode shapes with fewer 64x128
-# output tiles than SMs (FEW_TILES; e.g. a down projection, N4096 at M128: 64 tiles). At M128
-# K4096 N16384 (256 tiles) they lost on the H200 (ninth session: 0.059-0.071 against 0.042 ms).
-SPLIT_K = [("splitk", 128, 128, 64, 8, 8, 4, 2), ("splitk", 128, 128, 64, 8, 8, 4, 4),
-           ("splitk", 64, 128, 64, 8, 4, 4, 2), ("splitk", 64, 128, 64, 8, 4, 4, 4)]
-FEW_TILES = 128
+# Not here on purpose: split-K (fp32 partial sums over 2 or 4 slices of K, then a reduce + epilogue
+# kernel), built and timed on the H200 in the ninth session (GPU time), lost on both decode shapes:
+# 0.059-0.071 against 0.042 ms at M128 K4096 N16384, and 0.037-0.056 against 0.034 ms (tma 64x64x128)
+# at M128 K11008 N4096, a down projection with only 64 output tiles of 64x128.
 DUAL = [("tma", 128, 128, 64, 8, 8, 3, 1), ("tma", 128, 128, 64, 8, 8, 4, 0), ("tma", 128, 128, 64, 8, 8, 3, 0),
         ("tma", 256, 128, 64, 8, 8, 2, 1), ("tma2", 128, 128, 64, 8, 8, 4, 0), ("tma2", 128, 128, 64, 8, 8, 3, 1),
         ("ptr", 128, 128, 64, 8, 8, 3, 0), ("ptr", 128, 64, 64, 8, 4, 4, 0)]
@@ -54,7 +50,6 @@ NARROW_N = [("ptr", 64, 16, 256, 8, 4, 3, 0), ("ptr", 32, 32, 256, 8, 4, 3, 0), 
 NARROW_N_COLS = 64
 FP32 = [("ptr", 128, 128, 32, 8, 8, 3, 0), ("ptr", 64, 128, 32, 8, 4, 4, 0), ("ptr", 64, 64, 32, 8, 4, 4, 0)]
 INTERPRETER = ("ptr", 32, 32, 32, 4, 4, 1, 0)
-REDUCE_TILE = (32, 128)  # the split-K reduce + epilogue kernel's tile
 
 
 def shared_bytes(cfg: tuple, n_gemms: int, itemsize: int = 2) -> int:
@@ -80,8 +75,7 @@ def candidates(m: int, n_gemms: int, dtype: torch.dtype, n: int | None = None) -
     elif n is not None and n <= NARROW_N_COLS and n_gemms == 1:
         listed = NARROW_N
     elif m <= SMALL_M_ROWS:
-        few = n is not None and triton_cdiv(m, 64) * triton_cdiv(n, 128) < FEW_TILES
-        listed = SMALL_M + (SPLIT_K if few else [])
+        listed = SMALL_M
     else:
         listed = DUAL if n_gemms > 1 else LARGE
     return [c for c in listed if shared_bytes(c, n_gemms, dtype.itemsize) <= SHARED_LIMIT]
@@ -96,16 +90,8 @@ def _kernel(epilogue: str, n_operands: int, precision: str, variant: str, b_tran
     if key not in _KERNELS:
         name, src = render_gemm_epilogue(parse(epilogue), n_operands, precision, variant, b_transposed,
                                          sizes_constexpr=cache.interpreting())
-        _KERNELS[key] = name, cache.load_source(name, src)
-    name, module = _KERNELS[key]
-    return name, getattr(module, name)
-
-
-def _reduce_kernel(epilogue: str, n_operands: int, precision: str, b_transposed: bool):
-    """The split-K variant's second kernel: sums the partial tiles, runs the chain."""
-    name, _ = _kernel(epilogue, n_operands, precision, "splitk", b_transposed)
-    return getattr(_KERNELS[(epilogue, n_operands, precision, "splitk", b_transposed, cache.interpreting())][1],
-                   name + "_reduce")
+        _KERNELS[key] = name, getattr(cache.load_source(name, src), name)
+    return _KERNELS[key]
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -162,8 +148,6 @@ class _Case:
         return [torch.empty((self.M, self.N), dtype=self.dtype, device=self.device) for _ in self.ep.outputs]
 
     def usable(self, cfg) -> bool:
-        if cfg[0] == "splitk":  # the partial sums' offsets are int32 too
-            return cfg[7] * self.ep.num_accs * self.M * self.N < INT32_LIMIT
         return cfg[0] == "ptr" or self.tma
 
     def launch(self, cfg, outs, warmup: bool = False) -> None:
@@ -181,21 +165,6 @@ class _Case:
         if variant == "ptr":
             go((tiles,), self.a2, *self.bs, *self.ops, *outs, self.M, self.N, self.K,
                self.a2.stride(0), self.a2.stride(1), *self.b_strides, *self.op_strides, self.N, 1, **meta)
-            return
-        if variant == "splitk":
-            split = flatten
-            ws = torch.empty((split, self.ep.num_accs, self.M, self.N), dtype=torch.float32, device=self.device)
-            go((tiles, split), self.a2, *self.bs, *self.ops, *outs, self.M, self.N, self.K,
-               self.a2.stride(0), self.a2.stride(1), *self.b_strides, *self.op_strides, self.N, 1, ws,
-               SPLIT_K=split, **meta)
-            reduce = _reduce_kernel(self.epilogue, len(self.ops), self.precision, self.b_transposed)
-            rmeta = dict(SPLIT_K=split, BLOCK_M=REDUCE_TILE[0], BLOCK_N=REDUCE_TILE[1], num_warps=4)
-            rgrid = (triton_cdiv(self.M, REDUCE_TILE[0]), triton_cdiv(self.N, REDUCE_TILE[1]))
-            rargs = (ws, *self.ops, *outs, self.M, self.N, *self.op_strides, self.N, 1)
-            if warmup:
-                reduce.run(*rargs, grid=rgrid, warmup=True, **rmeta)
-            else:
-                reduce[rgrid](*rargs, **rmeta)
             return
         from triton.tools.tensor_descriptor import TensorDescriptor
 

@@ -142,43 +142,6 @@ def test_gradient_ops_in_generated_kernels_match_reference_in_interpreter(tmp_pa
     assert len(_interpret(GRAD_SCRIPT, tmp_path).splitlines()) == 6
 
 
-SPLITK_SCRIPT = textwrap.dedent("""
-    import os, torch
-    os.environ["TRITON_INTERPRET"] = "1"
-    from torch_xaccel.epilogue_ir import Epilogue
-    from torch_xaccel.ops.gemm_epilogue import reference
-    from torch_xaccel.codegen import triton_gemm
-
-    torch.manual_seed(0)
-    single = Epilogue(({"op": "acc", "index": 0}, {"op": "load", "operand": 0, "bcast": "row"}, {"op": "add", "in": [0, 1]},
-                       {"op": "gelu_tanh", "in": [2]}, {"op": "load", "operand": 1, "bcast": "full"},
-                       {"op": "add", "in": [3, 4]}), (5, 2)).to_json()
-    dual = Epilogue(({"op": "acc", "index": 0}, {"op": "acc", "index": 1}, {"op": "silu", "in": [0]},
-                     {"op": "mul", "in": [2, 1]}), (3,)).to_json()
-    fails = 0
-    # K = 70 over 3 slices of 32 (the last one 6 wide); K = 45 over 4: the last slice is empty and adds zeros
-    for M, K, N, split, ep, bt in [(5, 70, 40, 3, single, True), (33, 45, 50, 4, single, False),
-                                   (7, 64, 36, 2, dual, True)]:
-        n_acc = 2 if ep is dual else 1
-        a = torch.randn(M, K)
-        bs = [torch.randn(N, K) if bt else torch.randn(K, N) for _ in range(n_acc)]
-        ops = [] if ep is dual else [torch.randn(N), torch.randn(M, N)]
-        case = triton_gemm._Case(a, bs, ops, ep, bt)
-        outs = case.new_outputs()
-        case.launch(("splitk", 32, 32, 32, 4, 4, 1, split), outs)
-        want = reference(a, bs, ops, ep, bt)
-        err = max(((g - w).norm() / w.norm()).item() for g, w in zip(outs, want))
-        print(M, K, N, split, f"{err:.1e}")
-        fails += not err < 1e-5
-    raise SystemExit(fails)
-""")
-
-
-def test_split_k_kernels_match_reference_in_interpreter(tmp_path):
-    """Split-K (decode-sized M): slices of K that do not divide evenly, an empty last slice, two GEMMs."""
-    assert len(_interpret(SPLITK_SCRIPT, tmp_path).splitlines()) == 3
-
-
 def test_every_listed_config_fits_shared_memory():
     """A config over sm_90's shared memory fails to launch on the GPU (Triton 3.6 raised
     OutOfResources for 128x256x64 with 4 stages): none may be listed."""
@@ -216,8 +179,7 @@ def test_candidate_lists_by_shape_class():
 
     assert tg.candidates(8192, 1, torch.bfloat16, 8) == tg.NARROW_N == tg.candidates(1, 1, torch.float16, 64)
     assert tg.candidates(8192, 1, torch.bfloat16, 65) == tg.LARGE == tg.candidates(8192, 1, torch.bfloat16)
-    assert tg.candidates(128, 1, torch.bfloat16, 16384) == tg.SMALL_M
-    assert tg.candidates(128, 1, torch.bfloat16, 4096) == tg.SMALL_M + tg.SPLIT_K  # 64 tiles of 64x128: split K
+    assert tg.candidates(128, 1, torch.bfloat16, 4096) == tg.SMALL_M
     assert tg.candidates(8192, 2, torch.bfloat16, 8) == tg.DUAL
     assert tg.candidates(8192, 1, torch.float32, 8) == tg.FP32
 
