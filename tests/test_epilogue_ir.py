@@ -4,6 +4,7 @@ import random
 import pytest
 import torch
 
+from tests.helpers import rel_err
 from torch_xaccel.epilogue_ir import BINARY, UNARY, Epilogue, evaluate, needed_by_vjp, vjp
 
 
@@ -125,3 +126,34 @@ def test_aten_composition_keeps_a_0d_fp32_scalar_as_eager_does():
     scale = torch.tensor(0.1234567)
     got = aten_composition(a, [b], [scale], ep.to_json(), False)[0]
     assert torch.equal(got, torch.matmul(a, b) * scale)
+
+
+ACC, ROW, FULL = {"op": "acc", "index": 0}, {"op": "load", "operand": 0, "bcast": "row"}, {"op": "load", "operand": 1, "bcast": "full"}
+
+
+@pytest.mark.parametrize("lead,bt", [((), True), ((3,), False)])
+def test_aten_composition_folds_a_bias_or_residual_add_into_addmm(lead, bt):
+    """The add right after the GEMM goes into cuBLAS (torch.addmm), where the accumulator has no
+    other reader: the result stays within bf16 rounding of the fp64 reference, and the fold is
+    refused where the accumulator is read twice or is itself an output."""
+    from torch_xaccel.ops.gemm_epilogue import _addmm_folds, aten_composition, reference
+
+    torch.manual_seed(len(lead))
+    M, K, N = 33, 48, 40
+    a = torch.randn(*lead, M, K)
+    b = torch.randn(N, K) if bt else torch.randn(K, N)
+    ops = [torch.randn(N), torch.randn(*lead, M, N)]
+    chains = [  # (epilogue, the fold it should get)
+        ((ACC, ROW, {"op": "add", "in": [0, 1]}, {"op": "gelu_tanh", "in": [2]}, FULL, {"op": "add", "in": [3, 4]}), {0: (2, 0, "row")}),
+        ((ACC, FULL, {"op": "add", "in": [1, 0]}, {"op": "relu", "in": [2]}), {0: (2, 1, "full")}),
+        ((ACC, ROW, {"op": "add", "in": [0, 1]}, {"op": "mul", "in": [0, 2]}), {}),  # acc read twice
+    ]
+    for nodes, fold in chains:
+        ep = Epilogue(nodes, (len(nodes) - 1,))
+        lo = [o.bfloat16() for o in ops]
+        assert _addmm_folds(ep, a.bfloat16(), [b.bfloat16()], lo) == fold
+        got = aten_composition(a.bfloat16(), [b.bfloat16()], lo, ep.to_json(), bt)[0]
+        want = reference(a.double(), [b.double()], [o.double() for o in ops], ep.to_json(), bt)[0]
+        assert got.shape == want.shape and rel_err(got, want) <= 1e-2
+    out_acc = Epilogue((ACC, ROW, {"op": "add", "in": [0, 1]}), (2, 0))
+    assert _addmm_folds(out_acc, a, [b], ops) == {}
