@@ -1,5 +1,5 @@
 """Backward graphs: an activation's gradient and a residual's gradient fuse into the GEMM before
-them (lowering/backward.py); gradients still equal eager's."""
+them (lowering/backward.py, XACCEL_BACKWARD_FUSION=1); gradients still equal eager's."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +11,11 @@ from torch_xaccel.report import Report, collect
 
 ACTS = {"gelu_tanh_grad": lambda h: F.gelu(h, approximate="tanh"), "gelu_grad": F.gelu, "silu_grad": F.silu,
         "sigmoid_grad": torch.sigmoid, "tanh_grad": torch.tanh, "relu_grad": F.relu}
+
+
+@pytest.fixture(autouse=True)
+def _backward_fusion_on(monkeypatch):
+    monkeypatch.setenv("XACCEL_BACKWARD_FUSION", "1")
 
 
 def _backward_patterns(report: Report) -> list[str]:
@@ -32,8 +37,13 @@ def test_mlp_backward_fuses_activation_and_residual_gradients(grad_op, lead):
     assert sorted(_backward_patterns(report)) == sorted([f"{gemm} -> {grad_op}(full)", f"{gemm} -> add(full)"])
 
 
-def test_backward_fusion_off_leaves_backward_as_traced(monkeypatch):
-    monkeypatch.setenv("XACCEL_BACKWARD_FUSION", "0")
+@pytest.mark.parametrize("setting", ["0", None])
+def test_backward_fusion_off_leaves_backward_as_traced(monkeypatch, setting):
+    """Off explicitly, and by default (it measured slower on the H200: config.backward_fusion)."""
+    if setting is None:
+        monkeypatch.delenv("XACCEL_BACKWARD_FUSION")
+    else:
+        monkeypatch.setenv("XACCEL_BACKWARD_FUSION", setting)
     torch.manual_seed(0)
     up, down = nn.Linear(16, 32), nn.Linear(32, 16)
     report = check_compiled(lambda x: down(F.gelu(up(x))) + x, (torch.randn(9, 16, requires_grad=True),))

@@ -22,7 +22,7 @@ def _run(backend="xaccel"):
 
 def test_defaults():
     cfg = config.load()
-    assert (cfg.disable, cfg.fallback, cfg.log, cfg.keep_mlstm_states) == (False, "eager", False, True)
+    assert (cfg.disable, cfg.fallback, cfg.log, cfg.keep_mlstm_states, cfg.backward_fusion) == (False, "eager", False, True, False)
     assert "gemm_epilogue" in cfg.patterns
     assert str(cfg.cache_dir).endswith(".cache/torch_xaccel")
 
@@ -79,6 +79,7 @@ def test_cache_dir(xaccel_env, tmp_path):
     ("XACCEL_LOG", "loud", "0 or 1"),
     ("XACCEL_TUNE", "fast", "0 or 1"),
     ("XACCEL_MLSTM_KEEP_STATES", "some", "0 or 1"),
+    ("XACCEL_BACKWARD_FUSION", "both", "0 or 1"),
     ("XACCEL_COMPILE_THREADS", "0", "whole number >= 1"),
     ("XACCEL_PATTERNS", "gemm_epilogue,attention", "gemm_epilogue"),
     ("XACCEL_FALLBACK", "tvm", "eager, inductor"),

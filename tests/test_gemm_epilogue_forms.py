@@ -79,10 +79,7 @@ def test_mlp_block_two_replacements_and_param_grads():
     for g, p in zip(got, mlp.parameters()):
         assert torch.allclose(g, p.grad, rtol=1e-5, atol=1e-6)
     report = check_compiled(lambda x: mlp(x), (x,))
-    forward = [r.pattern for r in report.replacements if "backward" not in r.note]
-    backward = [r.pattern for r in report.replacements if "backward" in r.note]
-    assert len(forward) == 2
-    assert backward == ["mm -> gelu_grad(full)"]  # the GELU's gradient fused into the GEMM that feeds it
+    assert report.counts()["gemm_epilogue"] == 2  # the backward runs as traced (XACCEL_BACKWARD_FUSION is off)
 
 
 def test_intermediate_with_other_users_becomes_extra_output():

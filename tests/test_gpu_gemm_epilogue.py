@@ -50,9 +50,10 @@ def test_swiglu_dual_gemm_bf16():
 
 
 @pytest.mark.parametrize("act,grad_op", [("gelu_tanh", "gelu_tanh_grad"), ("relu", "relu_grad")])
-def test_mlp_backward_fusion_bf16_matches_fp64_reference(act, grad_op):
+def test_mlp_backward_fusion_bf16_matches_fp64_reference(act, grad_op, monkeypatch):
     """The backward's fused GEMM + activation gradient and GEMM + residual gradient (generated
     kernels or ATen, whichever the tuner picked) against float64 autograd."""
+    monkeypatch.setenv("XACCEL_BACKWARD_FUSION", "1")
     torch.manual_seed(1)
     M, d, h = 333, 256, 512
     fn_act = (lambda t: F.gelu(t, approximate="tanh")) if act == "gelu_tanh" else F.relu
