@@ -96,10 +96,11 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False,
                     seen.add(key)
                     extra = (dict(has_state=False, gate_factors=triton_mlstm.CHUNK_SCAN_FACTORS)
                              if template == "mlstm_chunk_states.py.jinja" else
-                             dict(k_loop="BKQ" in tiles) if template == "mlstm_fwd.py.jinja" else
+                             dict(k_loop="BKQ" in tiles, save_rows=True) if template == "mlstm_fwd.py.jinja" else
                              dict(split_dv="DVS" in tiles, dv_tiles=DV // tiles.get("DVS", DV), split_dqdk="DKS" in tiles)
                              if template == "mlstm_bwd.py.jinja" else
-                             dict(row_factors=triton_mlstm.SCAN_ROW_FACTORS) if template == "mlstm_bwd_rows.py.jinja" else
+                             dict(row_factors=triton_mlstm.SCAN_ROW_FACTORS, saved_rows=True)
+                             if template == "mlstm_bwd_rows.py.jinja" else
                              dict(dg_elsewhere="DGV" in tiles, row_factors=triton_mlstm.SCAN_ROW_FACTORS)
                              if template == "mlstm_bwd_states.py.jinja" else
                              dict(with_dg="DGV" in tiles) if template == "mlstm_bwd_dv.py.jinja" else {})

@@ -101,20 +101,25 @@ def profile(shape):
               flush=True)
 
 
-def scan_ab(shape):
+def scan_ab(shape, only=()):
     """The two sequential scans with their gate terms recomputed at every step (the flags False)
     and precomputed in parallel (True): the forward (CHUNK_SCAN_FACTORS: mlstm_chunk_gates before
     the chunk-state scan) and the backward from kept chunk states, what training runs
-    (SCAN_ROW_FACTORS: row factors from mlstm_bwd_rows); per-kernel times, median times, and the
-    outputs' difference between the two (bf16: both carry their own rounding)."""
+    (SCAN_ROW_FACTORS: row factors from mlstm_bwd_rows); and that backward with mlstm_bwd_rows
+    reading the forward's den and m_t per row or recomputing q k^T (SAVED_ROWS); per-kernel
+    times, median times, and the outputs' difference between the two (bf16: both carry their
+    own rounding)."""
     x = _inputs(*shape)
     h, C, n, m, *kept = tm.forward(None, *x, None, None, None, 1e-6, 64, keep_chunk_states=True)
     dh = torch.randn_like(h)
     states = [*kept, C, n, m]
     phases = {"CHUNK_SCAN_FACTORS": lambda: tm.forward(None, *x, None, None, None, 1e-6, 64, keep_chunk_states=True),
               "SCAN_ROW_FACTORS": lambda: tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h,
-                                                      states)}
+                                                      states),
+              "SAVED_ROWS": lambda: tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h, states)}
     for flag, run in phases.items():
+        if only and flag not in only:
+            continue
         outs = {}
         try:
             for value in (False, True):
@@ -140,6 +145,7 @@ def main():
                          " (tm.sliced_sweep_configs)")
     ap.add_argument("--profile", action="store_true", help="only the per-kernel profile at the default configs")
     ap.add_argument("--scan-ab", action="store_true", help="only the two scans with and without precomputed gate terms")
+    ap.add_argument("--ab", default="", help="with --scan-ab: only these flags (comma-separated, e.g. SAVED_ROWS)")
     args = ap.parse_args()
     print("defaults:", {s: (tm.forward_config(s[3], s[4]), tm.backward_config(s[3], s[4])) for s in SHAPES})
     for shape in SHAPES:
@@ -153,7 +159,7 @@ def main():
             profile(shape)
             continue
         if args.scan_ab:
-            scan_ab(shape)
+            scan_ab(shape, [f for f in args.ab.split(",") if f])
             continue
         if args.quick:
             fwd, bwd = fwd[:4], bwd[:2]

@@ -225,20 +225,35 @@ _CHOSEN: dict = {}
 TUNE = True  # False: always the default config (benchmarks/mlstm_sweep.py times configs itself)
 
 
-def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch, kept: bool = False) -> dict:
+def _at_chunk(configs, chunk: int):
+    """A keeping forward's config function (forward_config or forward_candidates) with every
+    config at the kept states' chunk length, those that fit: the states and row terms it keeps
+    are then the ones a backward walking that chunk reads."""
+    def at_chunk(DK: int, DV: int, itemsize: int = 2):
+        got = configs(DK, DV, itemsize)
+        cfgs = got if isinstance(got, list) else [got] if got else []
+        fit = _unique([c for c in (dict(c, L=chunk) for c in cfgs)
+                       if forward_shared_bytes(c, DK, DV, itemsize) <= SHARED_LIMIT])
+        return fit if isinstance(got, list) else next(iter(fit), None)
+    return at_chunk
+
+
+def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch, kept: bool = False, chunk: int | None = None) -> dict:
     """The fastest candidate for this phase and shape class, timed once (launch(cfg) runs the
     phase) and persisted under XACCEL_CACHE_DIR like the GEMM tuning; without CUDA, the default.
-    kept: a forward that keeps its chunk states (a second scan where its chunk differs) or a
-    backward that reads them (no scan): their own decisions, since that changes what is timed."""
+    kept: a forward that keeps its chunk states (its configs at the states' chunk length `chunk`)
+    or a backward that reads them (no scan): their own decisions, since that changes what is timed."""
     B, H, S, DK = q.shape
     DV = v.shape[-1]
     size = q.element_size()
     config, candidates = (forward_config, forward_candidates) if phase == "fwd" else (backward_config, backward_candidates)
+    if chunk is not None:
+        config, candidates = _at_chunk(config, chunk), _at_chunk(candidates, chunk)
     if cache.interpreting() or q.device.type != "cuda" or not TUNE:
         return config(DK, DV, size)
     import triton
 
-    key = (f"mlstm_{phase}{'|kept' if kept else ''}|{q.dtype}|DK{DK}|DV{DV}|S~{1 << (S - 1).bit_length()}|BH~{1 << (B * H - 1).bit_length()}|"
+    key = (f"mlstm_{phase}{'|kept' if kept else ''}{chunk or ''}|{q.dtype}|DK{DK}|DV{DV}|S~{1 << (S - 1).bit_length()}|BH~{1 << (B * H - 1).bit_length()}|"
            f"{torch.cuda.get_device_name(q.device)}|torch{torch.__version__}|triton{triton.__version__}|"
            f"tpl{template_digest()}|tv{cache.TUNING_VERSION}")
     if key in _CHOSEN:
@@ -333,6 +348,10 @@ SCAN_ROW_FACTORS = True
 # stabilizer max on its sequential path in every tile (False: the old scan, for the A/B in
 # benchmarks/mlstm_sweep.py --scan-ab)
 
+SAVED_ROWS = True
+# the backward from kept chunk states reads each row's den and m_t, stored by the forward, in
+# mlstm_bwd_rows instead of recomputing q k^T there (False: recompute, for mlstm_sweep.py --scan-ab)
+
 READ_STRIDED = True  # False: copy every non-contiguous input first (benchmarks/mlstm_layout_probe.py times both)
 
 
@@ -390,27 +409,31 @@ def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size, keep_chunk_states=F
     chunk-state scan, then every chunk's output in parallel. chunk_size only shapes the
     reference's evaluation; the kernels pick their own chunk length (results agree to rounding).
     keep_chunk_states (xaccel::mlstm_with_chunk_states): also return the state entering each chunk
-    of chunk_size positions: the scan's own output when its chunk is chunk_size, else a second
-    scan (timed as part of the forward by its own tuning decision)."""
+    of chunk_size positions and each row's den_t and m_t, the forward then running at that chunk
+    length (its own tuning decision), so that a backward walking the same chunks reads them."""
     S = q.shape[2]
-    if not _supported(q, k, v, S, "fwd") or keep_chunk_states and chunk_size not in CHUNKS:
+    if not _supported(q, k, v, S, "fwd") or keep_chunk_states and not keeping_forward_fits(q, v, chunk_size):
         return NotImplemented
     q, k, v, i, f = (_strided(t) for t in (q, k, v, i, f))
     if not keep_chunk_states:
         cfg = _tuned("fwd", q, v, lambda c: _forward(c, q, k, v, i, f, C0, n0, m0, eps))
         return _forward(cfg, q, k, v, i, f, C0, n0, m0, eps)
     run = lambda c: _forward_keeping(c, q, k, v, i, f, C0, n0, m0, eps, chunk_size)  # noqa: E731
-    return run(_tuned("fwd", q, v, run, kept=True))
+    return run(_tuned("fwd", q, v, run, kept=True, chunk=chunk_size))
+
+
+def keeping_forward_fits(q, v, chunk_size: int) -> bool:
+    """Whether a forward at chunk_size fits (shared memory) for q's head dims and dtype."""
+    return chunk_size in CHUNKS and _at_chunk(forward_config, chunk_size)(q.shape[-1], v.shape[-1], q.element_size()) is not None
 
 
 def _forward_keeping(cfg, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
     from torch_xaccel.ops.mlstm import chunk_states_shapes
 
-    h, C, n, m, states = _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, keep=True)
-    if cfg["L"] != chunk_size:
-        states = chunk_states(k, v, i, f, C0, n0, m0, dict(cfg, L=chunk_size))[0]
-    Cs, ns, ms = (t.view(shape) for t, (shape, _) in zip(states, chunk_states_shapes(q, v, chunk_size)))
-    return h, C, n, m, Cs, ns, ms
+    assert cfg["L"] == chunk_size, (cfg, chunk_size)
+    h, C, n, m, states, rows = _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, keep=True)
+    kept = [t.view(shape) for t, (shape, _) in zip((*states, rows), chunk_states_shapes(q, v, chunk_size))]
+    return (h, C, n, m, *kept)
 
 
 CHUNKS = (16, 32, 64, 128)  # chunk lengths the kernels take (the kept states' chunk_size among them)
@@ -424,6 +447,8 @@ def backward_reads_kept_states(device_type: str, dtype: torch.dtype, DK: int, DV
     do not take) they would be held for nothing (lowering.keep_mlstm_chunk_states asks)."""
     if chunk_size not in CHUNKS or dtype not in DTYPES or DK not in HEAD_DIMS or DV not in HEAD_DIMS:
         return False
+    if _at_chunk(forward_config, chunk_size)(DK, DV, dtype.itemsize) is None:
+        return False  # no forward at that chunk fits: the op would run its reference
     if cache.interpreting():
         return device_type == "cpu" and backward_config(DK, DV, dtype.itemsize)["L"] == chunk_size
     cands = backward_candidates(DK, DV, dtype.itemsize)
@@ -431,20 +456,22 @@ def backward_reads_kept_states(device_type: str, dtype: torch.dtype, DK: int, DV
 
 
 def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, keep=False):
+    """keep: also return the chunk states and each row's (den_t, m_t) [B*H, 2, S] fp32."""
     B, H, S, DK = q.shape
     DV = v.shape[-1]
     L = cfg["L"]
     (Cs, ns, ms), (C, n, m) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
     h = torch.empty(B, H, S, DV, dtype=q.dtype, device=q.device)
+    rows = torch.empty(B * H * 2 * S, dtype=torch.float32, device=q.device) if keep else None
     NC = -(-S // L)
-    args = (q, k, v, i, f, h, Cs, ns, ms, *_rows(q, k, v, i, f), S, NC, DK ** -0.5, eps)
+    args = (q, k, v, i, f, h, Cs, ns, ms, *((rows,) if keep else ()), *_rows(q, k, v, i, f), S, NC, DK ** -0.5, eps)
     meta = dict(DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=cfg["warps"], num_stages=cfg["stages"])
     if cfg.get("BKQ"):  # the sliced output kernel (SLICED)
         meta["BKQ"] = cfg["BKQ"]
-    _launch(_kernel("mlstm_fwd.py.jinja", q.dtype, k_loop=bool(cfg.get("BKQ"))), (B * H, NC, DV // cfg["BV"]), *args,
-            **meta)
+    _launch(_kernel("mlstm_fwd.py.jinja", q.dtype, k_loop=bool(cfg.get("BKQ")), save_rows=keep),
+            (B * H, NC, DV // cfg["BV"]), *args, **meta)
     if keep:
-        return h, C, n, m, (Cs, ns, ms)
+        return h, C, n, m, (Cs, ns, ms), rows
     return h, C, n, m
 
 
@@ -474,8 +501,9 @@ def step(key, q, k, v, i, f, C, n, m, eps, scale_q=False):
 def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=None, chunk_states=()):
     """Kernel path for xaccel::mlstm's backward (same contract as ops/mlstm_backward.backward), or
     NotImplemented. Four launches: the chunk-state scan again (skipped when the forward kept its
-    states, chunk_states = [Cs, ns, ms, C, n, m] at chunk_size, and the config's chunk is
-    chunk_size), per-row normalizer terms (from the saved output h; recomputed when absent), the
+    states, chunk_states = [Cs, ns, ms, rows, C, n, m] at chunk_size, and the config's chunk is
+    chunk_size), per-row normalizer terms (from the saved output h and, with kept states, the
+    forward's den_t and m_t; else q k^T again; h recomputed when absent), the
     reverse state-gradient scan, then every chunk's dq, dk, dv and gate gradients in parallel.
     The eps term is routed through the stabilizer max here in torch (a cummax over [B, H, S])."""
     B, H, S, DK = q.shape
@@ -521,19 +549,20 @@ def _fp16_state_gradient_fits(gC, i, f, m0) -> bool:
 
 
 def _kept_states(chunk_states, q, v, chunk_size):
-    """(chunk_size, (Cs, ns, ms) flat as chunk_states() returns them, (C, n, m)) from the forward's
-    kept states, or None when there are none or they do not have the layout the kernels read
-    (then the backward reruns the scan)."""
+    """(chunk_size, (Cs, ns, ms) flat as chunk_states() returns them, rows flat, (C, n, m)) from
+    the forward's kept states, or None when there are none or they do not have the layout the
+    kernels read (then the backward reruns the scan and recomputes the row terms)."""
     if not chunk_states:
         return None
     from torch_xaccel.ops.mlstm import chunk_states_shapes
 
-    Cs, ns, ms, C, n, m = chunk_states
+    Cs, ns, ms, rows, C, n, m = chunk_states
     want = chunk_states_shapes(q, v, chunk_size)
     if any(tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous()
-           for t, (shape, dtype) in zip((Cs, ns, ms), want)):
+           for t, (shape, dtype) in zip((Cs, ns, ms, rows), want)):
         return None
-    return chunk_size, (Cs.view(-1), ns.view(-1), ms.view(-1)), tuple(t.float().contiguous() for t in (C, n, m))
+    return (chunk_size, (Cs.view(-1), ns.view(-1), ms.view(-1)), rows.view(-1),
+            tuple(t.float().contiguous() for t in (C, n, m)))
 
 
 def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None):
@@ -549,16 +578,18 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     dev, f32 = q.device, torch.float32
     L, BK, BVS, warps, stages = cfg["L"], cfg["BK"], cfg["BVS"], cfg["warps"], cfg["stages"]
     NC, NT = -(-S // L), (DK // BK) * (DV // BVS)
-    if kept is not None and kept[0] == L:  # the forward's states: no second scan
-        (Cs, ns, ms), (CT, nT, mT) = kept[1:]
+    rows = None
+    if kept is not None and kept[0] == L:  # the forward's states and row terms: no second scan, no q k^T
+        (Cs, ns, ms), rows, (CT, nT, mT) = kept[1:]
+        rows = rows if SAVED_ROWS else None
     else:
         (Cs, ns, ms), (CT, nT, mT) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
     N, dden, hdh, dm = (torch.empty(B, H, S, device=dev, dtype=f32) for _ in range(4))
     # the scan's row factors r/N, r dden [B, H, S] and chunk factors exp(g), exp(g + m) [B*H*NC]
     factors = [torch.empty(n, device=dev, dtype=f32) for n in (B * H * S, B * H * S, B * H * NC, B * H * NC)] \
         if SCAN_ROW_FACTORS else []
-    _launch(_kernel("mlstm_bwd_rows.py.jinja", q.dtype, row_factors=SCAN_ROW_FACTORS), (B * H, NC),
-        q, k, i, f, h, dh, ns, ms, N, dden, hdh, dm, *factors, *_rows(q, k, i, f, dh), S, NC, DK ** -0.5, eps,
+    _launch(_kernel("mlstm_bwd_rows.py.jinja", q.dtype, row_factors=SCAN_ROW_FACTORS, saved_rows=rows is not None),
+        (B * H, NC), q, k, i, f, h, dh, ns, ms, *((rows,) if rows is not None else ()), N, dden, hdh, dm, *factors, *_rows(q, k, i, f, dh), S, NC, DK ** -0.5, eps,
         DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     dCs, dns = torch.empty_like(Cs), torch.empty_like(ns)
     dC0, dn0 = torch.empty_like(gC), torch.empty_like(gn)

@@ -225,7 +225,7 @@ def test_training_graph_keeps_chunk_states_unless_switched_off(xaccel_env, monke
     report = check_compiled(masked_fill_style, _inputs(seed=4), tol=2e-5)
     assert report.counts()["mlstm"] == 1
     assert len(kept) == (keep == "1")
-    assert handed == ([6] if keep == "1" else [0])  # Cs, ns, ms and the final C, n, m reach the backward
+    assert handed == ([7] if keep == "1" else [0])  # Cs, ns, ms, the row terms and the final C, n, m reach the backward
     notes = [r.note for r in report.replacements if r.op == "xaccel.mlstm"]
     assert notes == (["keeps its chunk states for the backward"] if keep == "1" else [""]), str(report)
 

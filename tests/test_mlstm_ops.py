@@ -21,6 +21,22 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+def _unstabilized_terms(x, state):
+    """The defining formula's numerator and denominator without any stabilizer (float64, small S)."""
+    q, k, v, i, f = x
+    S, DK = q.shape[-2], q.shape[-1]
+    Fc = torch.nn.functional.logsigmoid(f).cumsum(-1)
+    logD = (Fc[..., :, None] - Fc[..., None, :] + i[..., None, :]).masked_fill(
+        ~torch.ones(S, S, dtype=torch.bool).tril(), float("-inf"))
+    W = (q @ k.transpose(-1, -2)) * DK ** -0.5 * torch.exp(logD)
+    num, den = W @ v, W.sum(-1)
+    if state[0] is not None:
+        C0, n0, m0 = state
+        w = torch.exp(Fc + m0[..., None])
+        num, den = num + w[..., None] * (q @ C0), den + w * (q @ n0[..., None]).squeeze(-1)
+    return num, den
+
+
 @pytest.mark.parametrize("S,chunk", [(37, 8), (64, 16), (5, 64), (1, 4), (100, 32)])
 def test_chunkwise_equals_parallel_formula(S, chunk):
     x, _ = _inputs(S=S, seed=S)
@@ -82,16 +98,24 @@ def test_ops_gradcheck_with_and_without_state():
 
 @pytest.mark.parametrize("with_state", [False, True])
 def test_op_with_chunk_states_keeps_the_state_entering_each_chunk(with_state):
-    """xaccel::mlstm_with_chunk_states (a training graph's mlstm): outputs 0-3 are mlstm's, and
-    kept state c is the final state after the first c chunks (the reference run on them alone);
-    its gradients pass gradcheck (the kept states carry no gradient)."""
+    """xaccel::mlstm_with_chunk_states (a training graph's mlstm): outputs 0-3 are mlstm's, kept
+    state c is the final state after the first c chunks (the reference run on them alone), and
+    the row terms are each row's den and m: h = num / (max(|den|, exp(-m)) + eps) with the
+    numerator of the defining formula; its gradients pass gradcheck (the kept values carry no
+    gradient)."""
     x, state = _inputs(S=37, seed=3)
     st = state if with_state else (None, None, None)
     got = torch.ops.xaccel.mlstm_with_chunk_states(*x, *st, 1e-6, 8)
     for a, b in zip(got[:4], torch.ops.xaccel.mlstm(*x, *st, 1e-6, 8)):
         assert torch.equal(a, b)
-    Cs, ns, ms = got[4:]
+    Cs, ns, ms, rows = got[4:]
     assert Cs.shape == (2, 3, 5, 8, 12) and ns.shape == (2, 3, 5, 8) and ms.shape == (2, 3, 5)
+    assert rows.shape == (2, 3, 2, 37)
+    den, m_t = rows.unbind(2)
+    num_true, den_true = _unstabilized_terms(x, st)  # den = den_true exp(-m), num likewise
+    assert _rel(den * torch.exp(m_t), den_true) < 1e-12
+    num = got[0] * (torch.maximum(den.abs(), torch.exp(-m_t)) + 1e-6)[..., None]
+    assert _rel(num * torch.exp(m_t)[..., None], num_true) < 1e-12
     if not with_state:  # nothing before the first chunk: zero state, m = -inf
         assert not Cs[:, :, 0].any() and not ns[:, :, 0].any() and torch.isneginf(ms[:, :, 0]).all()
     for c in range(1, 5):

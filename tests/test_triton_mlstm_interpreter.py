@@ -182,62 +182,35 @@ def test_kernels_read_transposed_inputs_in_place(monkeypatch):
 
     from torch_xaccel.codegen import triton_mlstm as tm
 
-    launched = []
-    monkeypatch.setattr(tm, "_kernel", lambda template, dtype, **extra: template)
-    monkeypatch.setattr(tm, "_launch", lambda kernel, grid, *args, **meta: launched.append((kernel, args)))
-    B, H, S, DK, DV = 2, 3, 40, 16, 32
-    tr = lambda *d: torch.randn(B, S, H, *d).transpose(1, 2)  # noqa: E731
-    wide = lambda D: torch.randn(B, S, H, 2 * D)[..., :D].transpose(1, 2)  # noqa: E731
-    # each input in its own layout, so the stride list below pins the order
-    x, dh = [tr(DK), wide(DK), tr(DV), torch.randn(B, S, 2, H)[:, :, 1].transpose(1, 2), tr() + 2], wide(DV)
-    h = tm.forward(None, *x, None, None, None, 1e-6, 64)[0]
-    grads = tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h)
-    read = {(t.data_ptr(), t.stride()) for _, args in launched for t in args if isinstance(t, torch.Tensor)}
-    kernels = {kernel for kernel, _ in launched}
-    assert {"mlstm_chunk_states.py.jinja", "mlstm_fwd.py.jinja", "mlstm_bwd.py.jinja"} <= kernels
-    for t in x + [dh]:
-        assert (t.data_ptr(), t.stride()) in read
-    # each launch passes the head count, then batch, head and position strides of its row-strided inputs
-    fwd_args = next(args for kernel, args in launched if kernel == "mlstm_fwd.py.jinja")
-    assert list(fwd_args[9:25]) == [H] + [st for t in x for st in t.stride()[:3]]
-    assert all(g.is_contiguous() for g in grads[:3])  # as the op's fake promises
-    # a view reaching 2^31 elements or more (q sliced from a wide fused projection) is copied: int32 offsets
-    fused = torch.empty(16, 16384, 12288, device="meta")[..., :1024].unflatten(-1, (8, 128)).transpose(1, 2)
-    assert not fused.is_contiguous() and tm._strided(fused).is_contiguous()
-    one = fused[:1]  # reaches 2e8 elements: read in place
-    assert tm._strided(one) is one
-
-
-def test_backward_reads_kept_chunk_states_instead_of_rescanning(monkeypatch):
-    """xaccel::mlstm_with_chunk_states (what a training graph runs) hands its backward the states
-    entering each chunk: the backward then launches no chunk-state scan when its chunk length is
-    the states' chunk_size, and rescans when it is not (a kept state of another chunking would be
-    the wrong state). The values: the interpreter test below."""
-    import torch
-
-    from torch_xaccel.codegen import triton_mlstm as tm
-
-    launched = []
-    monkeypatch.setattr(tm, "_kernel", lambda template, dtype, **extra: template)
+    launched, row_terms = [], []
+    def kernel(template, dtype, **extra):
+        if template == "mlstm_bwd_rows.py.jinja":
+            row_terms.append(extra["saved_rows"])
+        return template
+    monkeypatch.setattr(tm, "_kernel", kernel)
     monkeypatch.setattr(tm, "_launch", lambda kernel, grid, *args, **meta: launched.append(kernel))
     B, H, S, DK, DV = 2, 3, 100, 16, 32
     x, dh = [torch.randn(B, H, S, DK), torch.randn(B, H, S, DK), torch.randn(B, H, S, DV), torch.randn(B, H, S),
              torch.randn(B, H, S)], torch.randn(B, H, S, DV)
     L = tm.backward_config(DK, DV, 4)["L"]
     assert tm.forward_config(DK, DV, 4)["L"] == L
-    for chunk, scans_fwd, scans_bwd in ((L, 1, 0), (L // 2, 2, 1)):
-        launched.clear()
-        h, C, n, m, Cs, ns, ms = tm.forward(None, *x, None, None, None, 1e-6, chunk, keep_chunk_states=True)
+    # the forward runs at the kept chunk (one scan either way); the backward reads its states and
+    # row terms at its own chunk and rescans (recomputing the row terms) at another
+    for chunk, scans_bwd in ((L, 0), (L // 2, 1)):
+        launched.clear(), row_terms.clear()
+        h, C, n, m, Cs, ns, ms, rows = tm.forward(None, *x, None, None, None, 1e-6, chunk, keep_chunk_states=True)
         assert Cs.shape == (B, H, -(-S // chunk), DK, DV) and ns.shape == (B, H, -(-S // chunk), DK)
-        assert launched.count("mlstm_chunk_states.py.jinja") == scans_fwd
+        assert rows.shape == (B, H, 2, S)
+        assert launched.count("mlstm_chunk_states.py.jinja") == 1
         launched.clear()
-        tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, chunk, h, [Cs, ns, ms, C, n, m])
+        tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, chunk, h, [Cs, ns, ms, rows, C, n, m])
         assert launched.count("mlstm_chunk_states.py.jinja") == scans_bwd
+        assert row_terms == [scans_bwd == 0]
         assert "mlstm_bwd.py.jinja" in launched
     # states of the wrong shape (another chunking, say) are not read: the backward rescans
-    launched.clear()
-    tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, L, h, [Cs, ns, ms, C, n, m])
-    assert launched.count("mlstm_chunk_states.py.jinja") == 1
+    launched.clear(), row_terms.clear()
+    tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, L, h, [Cs, ns, ms, rows, C, n, m])
+    assert launched.count("mlstm_chunk_states.py.jinja") == 1 and row_terms == [False]
 
 
 KEPT_SCRIPT = textwrap.dedent("""
@@ -266,7 +239,7 @@ KEPT_SCRIPT = textwrap.dedent("""
         cots = [torch.randn(B, H, S, DV), torch.randn(B, H, DK, DV), torch.randn(B, H, DK), torch.randn(B, H)]
         want_g = analytic(*(c.double() for c in cots), *(t.double() for t in x),
                           *(t.double() if t is not None else None for t in st), chunk_size=64)
-        for chunk in (L, 2 * L):  # the forward's own scan, and a second scan at another chunk
+        for chunk in (L, 2 * L):  # the backward's chunk (it reads the kept values), and another (it rescans)
             want = mlstm.reference(*(t.double() for t in x), *(t.double() if t is not None else None for t in st),
                                    chunk_size=chunk, keep_chunk_states=True)
             got = triton_mlstm.forward(None, *x, *st, 1e-6, chunk, keep_chunk_states=True)
@@ -284,8 +257,8 @@ KEPT_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("factors", ["1", "0"])
 def test_kept_chunk_states_match_reference_in_interpreter(tmp_path, factors):
-    """Forward with kept chunk states (at the kernels' chunk and at twice it) equal to the
-    reference's kept states in float64; the backward from kept states (the kernels' own, and the
+    """Forward with kept chunk states and row terms (at the backward's chunk and at twice it) equal
+    to the reference's in float64; the backward from kept states (the kernels' own, and the
     reference's, as after a forward that fell back) equal to the analytic backward. With the
     scans' gate terms precomputed (default) and recomputed per step (CHUNK_SCAN_FACTORS and
     SCAN_ROW_FACTORS off, the benchmarks' A/B path)."""

@@ -20,8 +20,8 @@ body. S needs no relation to the chunk size: the tail is padded with positions t
 nothing (logf = 0, i = -inf-like).
 
 xaccel::mlstm_with_chunk_states is the same op that also returns the state entering every chunk
-of chunk_size positions (in the kernels' layout); its backward reads them instead of rerunning the
-sequential state scan. The lowering uses it when the graph trains and the kernels' backward would
+of chunk_size positions (in the kernels' layout) and each row's den[t] and m[t] at that chunking;
+its backward reads them instead of rerunning the sequential state scan and q k^T. The lowering uses it when the graph trains and the kernels' backward would
 read them (lowering.keep_mlstm_chunk_states), at the cost of holding those states until the
 backward (DQK/chunk_size x v's size; XACCEL_MLSTM_KEEP_STATES=0 declines).
 """
@@ -45,7 +45,8 @@ def reference(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor 
               chunk_size: int = 64, keep_chunk_states: bool = False) -> tuple[Tensor, ...]:
     """(h [B,H,S,DV] in q's dtype, C [B,H,DQK,DV], n [B,H,DQK], m [B,H]) — states in fp32/fp64;
     keep_chunk_states adds the state entering each chunk: C [B,H,NC,DQK,DV] in q's dtype, n and m
-    in fp32/fp64 (the kernels' layout; chunk_states_shapes)."""
+    in fp32/fp64, and each row's (den[t], m[t]) [B,H,2,S] in fp32/fp64 (the kernels' layout;
+    chunk_states_shapes)."""
     B, H, S, DK = q.shape
     DV = v.shape[-1]
     out_dtype, cd = q.dtype, _compute_dtype(q)
@@ -65,7 +66,7 @@ def reference(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor 
     else:
         C, n, m = C0.to(cd), n0.to(cd), m0.to(cd)
     causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-    hs, entering = [], []
+    hs, entering, rows = [], [], []
     for c in range(0, S + pad, L):
         if keep_chunk_states:
             entering.append((C, n, m))
@@ -80,6 +81,8 @@ def reference(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor 
         num = w_inter[..., None] * (qc @ C) + Cqk @ vc
         den = w_inter * (qc @ n[..., None]).squeeze(-1) + Cqk.sum(-1)
         hs.append(num / (torch.maximum(den.abs(), torch.exp(-m_t)) + eps)[..., None])
+        if keep_chunk_states:
+            rows.append(torch.stack((den, m_t), dim=2))                      # [B,H,2,L]
         g = b[..., -1]                                                       # whole-chunk log forget
         log_w = g[..., None] - b + ic                                        # [B,H,L]
         m_new = torch.maximum(g + m, log_w.amax(-1))
@@ -90,16 +93,17 @@ def reference(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor 
     h = torch.cat(hs, dim=2)[:, :, :S]
     if keep_chunk_states:
         Cs, ns, ms = (torch.stack(t, dim=2) for t in zip(*entering))
-        return h.to(out_dtype), C, n, m, Cs.to(out_dtype), ns, ms
+        return h.to(out_dtype), C, n, m, Cs.to(out_dtype), ns, ms, torch.cat(rows, dim=3)[..., :S].contiguous()
     return h.to(out_dtype), C, n, m
 
 
 def chunk_states_shapes(q: Tensor, v: Tensor, chunk_size: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Shapes and dtypes of the states entering each chunk (mlstm_with_chunk_states' extra
-    outputs): C [B,H,NC,DQK,DV] in q's dtype (as the kernels store it), n [B,H,NC,DQK], m [B,H,NC]."""
+    """Shapes and dtypes of mlstm_with_chunk_states' extra outputs: the states entering each chunk,
+    C [B,H,NC,DQK,DV] in q's dtype (as the kernels store it), n [B,H,NC,DQK], m [B,H,NC], and each
+    row's (den[t], m[t]) [B,H,2,S] under that chunking."""
     B, H, S, DK = q.shape
     NC, cd = -(-S // chunk_size), _compute_dtype(q)
-    return [((B, H, NC, DK, v.shape[-1]), q.dtype), ((B, H, NC, DK), cd), ((B, H, NC), cd)]
+    return [((B, H, NC, DK, v.shape[-1]), q.dtype), ((B, H, NC, DK), cd), ((B, H, NC), cd), ((B, H, 2, S), cd)]
 
 
 def parallel_oracle(q, k, v, i, f, C0=None, n0=None, m0=None, eps=1e-6):
@@ -181,9 +185,9 @@ def mlstm(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor | No
 @torch.library.custom_op("xaccel::mlstm_with_chunk_states", mutates_args=())
 def mlstm_with_chunk_states(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor | None,
                             n0: Tensor | None, m0: Tensor | None, eps: float, chunk_size: int
-                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """xaccel::mlstm plus the state entering each chunk (C, n, m per chunk; chunk_states_shapes),
-    which its backward reads instead of recomputing them: the op a training graph runs where the
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """xaccel::mlstm plus the state entering each chunk (C, n, m per chunk) and each row's den and
+    m (chunk_states_shapes), which its backward reads instead of recomputing them: the op a training graph runs where the
     kernels' backward reads them. Those and the final state are saved for the backward, so
     modifying any of them in place before it raises autograd's version error (as for any saved
     output)."""
@@ -214,9 +218,9 @@ def _setup_context(ctx, inputs, output):
     ctx.has_state = C0 is not None
     # the output h too: the backward kernels read h . dh instead of recomputing the numerator;
     # with kept chunk states, those and the final state (the backward's scan needs neither rerun)
-    kept = tuple(output[4:7]) + tuple(output[1:4]) if len(output) > 4 else ()
+    kept = tuple(output[4:8]) + tuple(output[1:4]) if len(output) > 4 else ()
     if kept:
-        ctx.mark_non_differentiable(*output[4:7])  # saved for the backward, not results
+        ctx.mark_non_differentiable(*output[4:8])  # saved for the backward, not results
     ctx.n_kept = len(kept)
     ctx.save_for_backward(q, k, v, i, f, output[0], *kept, *((C0, n0, m0) if ctx.has_state else ()))
     ctx.eps, ctx.chunk_size = eps, chunk_size
@@ -248,8 +252,9 @@ def mlstm_backward(gh: Tensor | None, gC: Tensor | None, gn: Tensor | None, gm: 
     """xaccel::mlstm's backward as one opaque op, so that traced backward graphs hold a single
     node whose kernel is picked at run time: [dq, dk, dv, di, df] (+ [dC0, dn0, dm0] with a state).
     h: the forward's output, when saved (the kernels use it; the reference does not need it).
-    chunk_states: [] or mlstm_with_chunk_states' kept states and its final state [Cs, ns, ms, C,
-    n, m] (the kernels skip their state scan when their chunk length is chunk_size)."""
+    chunk_states: [] or mlstm_with_chunk_states' kept states and row terms and its final state
+    [Cs, ns, ms, rows, C, n, m] (the kernels skip their state scan and q k^T for the row terms
+    when their chunk length is chunk_size)."""
     grads = runtime.dispatch("mlstm_backward", _backward_key, _backward_reference,
                              gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states)
     return [g.contiguous() for g in grads if g is not None]
