@@ -412,7 +412,8 @@ def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size, keep_chunk_states=F
     of chunk_size positions and each row's den_t and m_t, the forward then running at that chunk
     length (its own tuning decision), so that a backward walking the same chunks reads them."""
     S = q.shape[2]
-    if not _supported(q, k, v, S, "fwd") or keep_chunk_states and not keeping_forward_fits(q, v, chunk_size):
+    if not _supported(q, k, v, S, "fwd") or \
+            keep_chunk_states and not keeping_forward_fits(q.shape[-1], v.shape[-1], q.element_size(), chunk_size):
         return NotImplemented
     q, k, v, i, f = (_strided(t) for t in (q, k, v, i, f))
     if not keep_chunk_states:
@@ -422,9 +423,9 @@ def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size, keep_chunk_states=F
     return run(_tuned("fwd", q, v, run, kept=True, chunk=chunk_size))
 
 
-def keeping_forward_fits(q, v, chunk_size: int) -> bool:
-    """Whether a forward at chunk_size fits (shared memory) for q's head dims and dtype."""
-    return chunk_size in CHUNKS and _at_chunk(forward_config, chunk_size)(q.shape[-1], v.shape[-1], q.element_size()) is not None
+def keeping_forward_fits(DK: int, DV: int, itemsize: int, chunk_size: int) -> bool:
+    """Whether a forward at chunk_size fits (shared memory) for these head dims and dtype."""
+    return chunk_size in CHUNKS and _at_chunk(forward_config, chunk_size)(DK, DV, itemsize) is not None
 
 
 def _forward_keeping(cfg, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
@@ -447,8 +448,8 @@ def backward_reads_kept_states(device_type: str, dtype: torch.dtype, DK: int, DV
     do not take) they would be held for nothing (lowering.keep_mlstm_chunk_states asks)."""
     if chunk_size not in CHUNKS or dtype not in DTYPES or DK not in HEAD_DIMS or DV not in HEAD_DIMS:
         return False
-    if _at_chunk(forward_config, chunk_size)(DK, DV, dtype.itemsize) is None:
-        return False  # no forward at that chunk fits: the op would run its reference
+    if not keeping_forward_fits(DK, DV, dtype.itemsize, chunk_size):
+        return False  # the op would run its reference
     if cache.interpreting():
         return device_type == "cpu" and backward_config(DK, DV, dtype.itemsize)["L"] == chunk_size
     cands = backward_candidates(DK, DV, dtype.itemsize)
@@ -588,9 +589,10 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     # the scan's row factors r/N, r dden [B, H, S] and chunk factors exp(g), exp(g + m) [B*H*NC]
     factors = [torch.empty(n, device=dev, dtype=f32) for n in (B * H * S, B * H * S, B * H * NC, B * H * NC)] \
         if SCAN_ROW_FACTORS else []
-    _launch(_kernel("mlstm_bwd_rows.py.jinja", q.dtype, row_factors=SCAN_ROW_FACTORS, saved_rows=rows is not None),
-        (B * H, NC), q, k, i, f, h, dh, ns, ms, *((rows,) if rows is not None else ()), N, dden, hdh, dm, *factors, *_rows(q, k, i, f, dh), S, NC, DK ** -0.5, eps,
-        DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
+    saved = (rows,) if rows is not None else ()
+    _launch(_kernel("mlstm_bwd_rows.py.jinja", q.dtype, row_factors=SCAN_ROW_FACTORS, saved_rows=bool(saved)),
+        (B * H, NC), q, k, i, f, h, dh, ns, ms, *saved, N, dden, hdh, dm, *factors, *_rows(q, k, i, f, dh),
+        S, NC, DK ** -0.5, eps, DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     dCs, dns = torch.empty_like(Cs), torch.empty_like(ns)
     dC0, dn0 = torch.empty_like(gC), torch.empty_like(gn)
     DVS = cfg.get("DVS")  # split variant: dv in its own kernel, one program per DV tile
