@@ -3,6 +3,8 @@ shape against cuBLAS alone and the ATen composition, and profile a training step
 
     python benchmarks/gemm_probe.py configs M K N      # e.g. 16384 4096 16384, or 128 4096 16384
     python benchmarks/gemm_probe.py train [eager] [xaccel] [xaccel-nobwd] [inductor]   # top CUDA kernels of a 4-layer MLP train step
+    python benchmarks/gemm_probe.py cutlass M K N      # CUTLASS configs (LARGE + EXTRA), plain and with the chain,
+                                                       # against cuBLAS, in do_bench and back to back, two rounds; cuBLAS's kernel name
 
 xaccel-nobwd: xaccel with XACCEL_BACKWARD_FUSION=0 (the backward as aot_autograd traced it), for an
 A/B of the backward graph's fused GEMM chains in one process.
@@ -47,6 +49,54 @@ def configs(M, K, N):
             print(f"  {cfg}: FAILED {type(e).__name__}: {str(e)[:120]}", flush=True)
 
 
+PLAIN = Epilogue(({"op": "acc", "index": 0},), (0,)).to_json()
+# tile shapes tried only here; a winner moves to cutlass_gemm.LARGE
+EXTRA = [("cutlass", 256, 128, 64, 2, 1, 8, 0), ("cutlass_pp", 128, 128, 64, 1, 1, 8, 0), ("cutlass_pp", 64, 256, 64, 2, 1, 8, 0),
+         ("cutlass_pp", 128, 128, 64, 2, 1, 4, 2), ("cutlass_pp", 128, 128, 64, 2, 1, 8, 2)]
+
+
+def cutlass_sources(M, K, N):
+    """(name, source) of every kernel `cutlass` times: build them ahead with cutlass_gemm.build_all."""
+    from torch_xaccel.codegen import cutlass_gemm
+
+    out = []
+    for text in (PLAIN, GELU_RES):
+        ep = Epilogue.from_json(text)
+        bcast = {n["operand"]: n["bcast"] for n in ep.nodes if n["op"] == "load"}
+        out += [cutlass_gemm.render(ep, torch.bfloat16, [torch.bfloat16] * len(bcast), bcast, True, c)
+                for c in cutlass_gemm.LARGE + EXTRA]
+    return out
+
+
+def cutlass(M, K, N):
+    from torch.profiler import ProfilerActivity, profile
+
+    from torch_xaccel.codegen import cutlass_gemm
+
+    cutlass_gemm.build_all(cutlass_sources(M, K, N), "probe")
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+    ops = [torch.randn(N, device="cuda", dtype=torch.bfloat16), torch.randn(M, N, device="cuda", dtype=torch.bfloat16)]
+    flop = 2 * M * N * K
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        x @ w.t()
+        torch.cuda.synchronize()
+    print("cuBLAS kernel:", [e.key for e in prof.key_averages()][:3])
+    runs = {"cuBLAS alone": lambda: x @ w.t()}
+    for text, label in ((PLAIN, "plain"), (GELU_RES, "chain")):
+        case = triton_gemm._Case(x, [w], ops if text == GELU_RES else [], text, True)
+        outs = case.new_outputs()
+        for cfg in cutlass_gemm.LARGE + EXTRA:
+            runs[f"{label} {cfg}"] = lambda case=case, cfg=cfg, outs=outs: case.launch(cfg, outs)
+    for rnd in range(2):
+        for name, fn in runs.items():
+            try:
+                a, b = bench(fn), triton_gemm._gpu_ms(fn)
+                print(f"  [{rnd}] {name:52s} do_bench {a:.4f} ms ({flop / a / 1e9:.0f} TFLOP/s)  back to back {b:.4f}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"  [{rnd}] {name}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+
+
 def train():
     import time
 
@@ -83,5 +133,7 @@ def train():
 if __name__ == "__main__":
     if sys.argv[1] == "configs":
         configs(*map(int, sys.argv[2:5]))
+    elif sys.argv[1] == "cutlass":
+        cutlass(*map(int, sys.argv[2:5]))
     else:
         train()

@@ -7,14 +7,15 @@ does not cover (batched B, empty tensors, other devices), so the runtime runs th
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
 
-from torch_xaccel.config import tuning_enabled
+from torch_xaccel.config import cutlass_mode, tuning_enabled
 from torch_xaccel.epilogue_ir import parse
 
-from . import cache
+from . import cache, cutlass_gemm
 from .cache import SHARED_LIMIT
 from .offsets import INT32_LIMIT, reach
 from .render import render_gemm_epilogue, template_digest
@@ -114,7 +115,7 @@ class _Case:
         self.b_strides = (s1, s0) if b_transposed else (s0, s1)
         self.bs = bs
         self.out_shape = (*a.shape[:-1], self.N)
-        bcast = {n["operand"]: n["bcast"] for n in self.ep.nodes if n["op"] == "load"}
+        bcast = self.bcast = {n["operand"]: n["bcast"] for n in self.ep.nodes if n["op"] == "load"}
         self.ops, self.op_strides = [], []
         for j, t in enumerate(operands):
             kind = bcast.get(j)  # None: an operand the epilogue never reads
@@ -148,10 +149,30 @@ class _Case:
         return [torch.empty((self.M, self.N), dtype=self.dtype, device=self.device) for _ in self.ep.outputs]
 
     def usable(self, cfg) -> bool:
+        if cfg[0] in cutlass_gemm.VARIANTS:
+            return self.cutlass_reason is None
         return cfg[0] == "ptr" or self.tma
+
+    @functools.cached_property
+    def cutlass_reason(self) -> str | None:
+        """Why this call cannot run as a CUTLASS kernel (None: it can)."""
+        return cutlass_gemm.unsupported(self.ep, self.a2, self.bs, self.ops, self.b_transposed, self.bcast)
+
+    def cutlass_source(self, cfg) -> tuple[str, str]:
+        key = (self.epilogue, self.dtype, tuple(t.dtype for t in self.ops), tuple(sorted(self.bcast.items())),
+               self.b_transposed, cfg[:6])
+        if key not in _CUTLASS_SOURCES:
+            _CUTLASS_SOURCES[key] = cutlass_gemm.render(self.ep, self.dtype, [t.dtype for t in self.ops], self.bcast,
+                                                         self.b_transposed, cfg)
+        return _CUTLASS_SOURCES[key]
 
     def launch(self, cfg, outs, warmup: bool = False) -> None:
         """Run config `cfg` into `outs`; warmup: only compile it (Triton's warmup run, no launch)."""
+        if cfg[0] in cutlass_gemm.VARIANTS:
+            lib = cutlass_gemm.load(*self.cutlass_source(cfg))
+            if not warmup:
+                cutlass_gemm.launch(lib, cfg, self.a2, self.bs[0], self.ops, outs, _num_sms(self.device))
+            return
         variant, bm, bn, bk, gm, warps, stages, flatten = cfg
         _, kernel = _kernel(self.epilogue, len(self.ops), self.precision, variant, self.b_transposed)
         tiles = triton_cdiv(self.M, bm) * triton_cdiv(self.N, bn)
@@ -191,6 +212,7 @@ class _Case:
 
 
 _SMS: dict = {}
+_CUTLASS_SOURCES: dict = {}
 
 
 def _num_sms(device) -> int:
@@ -257,28 +279,80 @@ def _gpu_ms(fn, calls: int = 20, rounds: int = 3) -> float:
     return sorted(results)[len(results) // 2]
 
 
-def choose(case: _Case, reference_fn, make_case) -> tuple | None:
+def cutlass_candidates(case: _Case, timings: list | None = None) -> list[tuple]:
+    """The CUTLASS configs a case may time: none with XACCEL_CUTLASS=0, for decode-sized M (the
+    memory-bound Triton configs serve those), or where the case or this machine rules them out
+    (the reason then goes into `timings`, the tuning entry's report)."""
+    if cutlass_mode() == "0" or case.M <= SMALL_M_ROWS or not case.a2.is_cuda or cache.interpreting():
+        return []
+    why = case.cutlass_reason
+    tools = cutlass_gemm.toolchain()
+    why = why or (tools if isinstance(tools, str) else None)
+    if why is not None:
+        if timings is not None:
+            timings.append(["cutlass", None, why])
+        return []
+    return list(cutlass_gemm.LARGE)
+
+
+def _resolved(case: _Case, cfgs) -> bool:
+    """Whether every CUTLASS build for `cfgs` has finished (built or failed), in any process."""
+    return all(cutlass_gemm.state(*case.cutlass_source(tuple(c))) in ("built", "failed") for c in cfgs)
+
+
+def choose(case: _Case, reference_fn, make_case) -> tuple[tuple | None, list]:
+    """(config or None for ATen, CUTLASS configs still building). With XACCEL_CUTLASS=1 a case is
+    tuned without the CUTLASS kernels that are not built yet, their builds start in the background
+    and the decision records them as pending; once they are all built (or failed) the stored
+    decision no longer counts and the case is timed again, with them."""
     if cache.interpreting():
-        return INTERPRETER
+        return INTERPRETER, []
     cands = [c for c in candidates(case.M, case.ep.num_accs, case.dtype, case.N) if case.usable(c)]
+    cut = cutlass_candidates(case)
     key = case.tuning_key()
-    valid_cfg = lambda v: v is None or (isinstance(v, list) and tuple(v) in cands)  # noqa: E731 - unknown config: retune
+    valid_cfg = lambda v: v is None or (isinstance(v, list) and tuple(v) in cands + cut)  # noqa: E731 - unknown config: retune
 
     if not tuning_enabled():  # XACCEL_TUNE=0: a stored decision, else the shape class's first config, untimed
         stored = cache.read_entry("tuning", key)
         if isinstance(stored, dict) and valid_cfg(stored.get("config", "bad")):
-            return tuple(stored["config"]) if stored["config"] else None
-        return cands[0] if cands else None
+            return (tuple(stored["config"]) if stored["config"] else None), []
+        return (cands[0] if cands else None), []
+
+    def valid(e) -> bool:
+        return (isinstance(e, dict) and valid_cfg(e.get("config", "bad"))
+                and not (e.get("pending") and _resolved(case, e["pending"])))
 
     def tune():
         timings = []
-        best = _tune(case, reference_fn, cands, make_case, timings)
-        return {"config": list(best) if best else None, "timings": timings}
-    entry = cache.tuning_decision(key, lambda e: isinstance(e, dict) and valid_cfg(e.get("config", "bad")), tune)
-    return tuple(entry["config"]) if entry["config"] else None
+        cutlass_candidates(case, timings)  # records why CUTLASS is out, if it is
+        if cut and cutlass_mode() == "wait":
+            cutlass_gemm.build_all([case.cutlass_source(c) for c in cut], f"{case.kernel_name} M{case.M}")
+        pending = [c for c in cut if not _resolved(case, [c])]
+        best = _tune(case, reference_fn, cands + [c for c in cut if c not in pending], make_case, timings)
+        return {"config": list(best) if best else None, "timings": timings, "pending": [list(c) for c in pending]}
+    entry = cache.tuning_decision(key, valid, tune)
+    pending = [tuple(c) for c in entry.get("pending") or ()]
+    for c in pending:
+        cutlass_gemm.start_build(*case.cutlass_source(c))  # no-op when built, failed or building elsewhere
+    return (tuple(entry["config"]) if entry["config"] else None), pending
 
 
 _DECISIONS: dict = {}
+_PENDING: dict = {}  # key -> (next poll time, the case's pending CUTLASS sources)
+POLL_S = 2.0
+
+
+def _pending_done(key) -> bool:
+    """True once the background CUTLASS builds of a case have all finished (checked every POLL_S)."""
+    next_poll, sources = _PENDING[key]
+    now = time.monotonic()
+    if now < next_poll:
+        return False
+    _PENDING[key] = (now + POLL_S, sources)
+    if all(cutlass_gemm.state(*src) in ("built", "failed") for src in sources):
+        del _PENDING[key]
+        return True
+    return False
 
 
 def _int32_reach(a, bs, operands, b_transposed) -> bool:
@@ -297,6 +371,8 @@ def provider(key, a, bs, operands, epilogue, b_transposed):
     if not _int32_reach(a, bs, operands, b_transposed):
         return aten_composition(a, bs, operands, epilogue, b_transposed)  # cuBLAS takes 64-bit sizes
 
+    if key in _PENDING and not (a.is_cuda and torch.cuda.is_current_stream_capturing()) and _pending_done(key):
+        _DECISIONS.pop(key, None)  # its CUTLASS kernels are built: time the case again, with them
     cfg = _DECISIONS.get(key, "unset")
     if cfg is None:
         return aten_composition(a, bs, operands, epilogue, b_transposed)  # ATen measured faster here
@@ -305,9 +381,11 @@ def provider(key, a, bs, operands, epilogue, b_transposed):
         return aten_composition(a, bs, operands, epilogue, b_transposed)
     case = _Case(a, bs, operands, epilogue, b_transposed)
     if cfg == "unset":
-        cfg = choose(case, lambda: aten_composition(a, bs, operands, epilogue, b_transposed),
-                     lambda: _Case(a, bs, operands, epilogue, b_transposed))
+        cfg, pending = choose(case, lambda: aten_composition(a, bs, operands, epilogue, b_transposed),
+                              lambda: _Case(a, bs, operands, epilogue, b_transposed))
         _DECISIONS[key] = cfg
+        if pending:
+            _PENDING[key] = (time.monotonic() + POLL_S, [case.cutlass_source(c) for c in pending])
     if cfg is None or not case.usable(cfg):
         # ATen measured faster for this shape class, or this call's strides/alignment rule out
         # the TMA kernel tuned on an earlier call with the same shapes

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.helpers import check_compiled, rel_err
+from torch_xaccel import config
 from torch_xaccel.epilogue_ir import GRAD, Epilogue, evaluate
 from torch_xaccel.report import Report, collect
 
@@ -39,9 +40,11 @@ def test_mlp_backward_fuses_activation_and_residual_gradients(grad_op, lead):
 
 @pytest.mark.parametrize("setting", ["0", None])
 def test_backward_fusion_off_leaves_backward_as_traced(monkeypatch, setting):
-    """Off explicitly, and by default (it measured slower on the H200: config.backward_fusion)."""
+    """Off explicitly, and by default where no CUTLASS kernel can run (with the Triton kernels only
+    it measured slower on the H200: config.backward_fusion)."""
     if setting is None:
-        monkeypatch.delenv("XACCEL_BACKWARD_FUSION")
+        monkeypatch.delenv("XACCEL_BACKWARD_FUSION", raising=False)
+        monkeypatch.setattr(config, "cutlass_available", lambda: False)
     else:
         monkeypatch.setenv("XACCEL_BACKWARD_FUSION", setting)
     torch.manual_seed(0)
@@ -49,6 +52,16 @@ def test_backward_fusion_off_leaves_backward_as_traced(monkeypatch, setting):
     report = check_compiled(lambda x: down(F.gelu(up(x))) + x, (torch.randn(9, 16, requires_grad=True),))
     assert _backward_patterns(report) == []
     assert report.counts()["gemm_epilogue"] == 2  # the forward is unchanged
+
+
+@pytest.mark.parametrize("cutlass, mode, on", [(True, "", True), (True, "wait", True), (True, "0", False), (False, "", False)])
+def test_default_follows_cutlass_availability(monkeypatch, cutlass, mode, on):
+    monkeypatch.delenv("XACCEL_BACKWARD_FUSION", raising=False)
+    monkeypatch.setenv("XACCEL_CUTLASS", mode)
+    monkeypatch.setattr(config, "cutlass_available", lambda: cutlass)
+    assert config.backward_fusion() is on
+    monkeypatch.setenv("XACCEL_BACKWARD_FUSION", "0")
+    assert config.backward_fusion() is False
 
 
 def test_grad_ops_evaluate_to_the_activation_derivative():

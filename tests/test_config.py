@@ -100,3 +100,20 @@ def test_cache_dir_that_is_a_file(xaccel_env, tmp_path):
     xaccel_env(XACCEL_CACHE_DIR=str(f))
     with pytest.raises(torch_xaccel.XaccelConfigError, match="XACCEL_CACHE_DIR"):
         config.load()
+
+
+@pytest.mark.parametrize("value, mode", [("", "1"), ("wait", "wait"), ("OFF", "0"), ("true", "1"), ("0", "0")])
+def test_cutlass_mode(monkeypatch, value, mode):
+    from torch_xaccel.config import cutlass_mode
+
+    monkeypatch.setenv("XACCEL_CUTLASS", value)
+    assert cutlass_mode() == mode
+
+
+def test_bad_cutlass_mode_is_a_clear_error(monkeypatch):
+    from torch_xaccel.config import load
+    from torch_xaccel.errors import XaccelConfigError
+
+    monkeypatch.setenv("XACCEL_CUTLASS", "sometimes")
+    with pytest.raises(XaccelConfigError, match="XACCEL_CUTLASS='sometimes' is invalid; allowed: 0, 1 or wait"):
+        load()

@@ -94,6 +94,7 @@ def test_corrupt_tuning_entry_is_rebuilt(tmp_path, monkeypatch):
     from torch_xaccel.codegen import cache, triton_gemm
 
     monkeypatch.setenv("XACCEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("XACCEL_CUTLASS", "0")  # the Triton configs and ATen only (tests/test_gpu_cutlass_gemm.py: CUTLASS)
     torch.manual_seed(3)
     a, bs = _inputs(2048, 1024, 2048, torch.bfloat16, 1)
     ops = [torch.randn(2048, device="cuda", dtype=torch.bfloat16), torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)]

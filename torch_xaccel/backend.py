@@ -96,7 +96,7 @@ def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str, patch
 
 
 def _backward_pass(cfg, report):
-    """The backward graph's GEMM chains (XACCEL_BACKWARD_FUSION=1, default off, and the
+    """The backward graph's GEMM chains (XACCEL_BACKWARD_FUSION; default on where CUTLASS kernels run, and the
     gemm_epilogue family enabled). It runs at the first backward call: a failure there is reported and the
     backward graph runs as traced, as a forward failure would."""
     if not (cfg.backward_fusion and "gemm_epilogue" in cfg.patterns):

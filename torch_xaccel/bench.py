@@ -45,6 +45,24 @@ def _bench(fn, train: bool, grad_to_none=None) -> float:
                                    grad_to_none=grad_to_none)
 
 
+HEAT_S = 2.0
+
+
+def _heat(fn, seconds: float = HEAT_S) -> None:
+    """Run fn for `seconds` before the first timing of a case. An idle H200 boosts its clocks
+    for the first GEMMs and throttles under sustained load: measured first, cuBLAS alone timed
+    2.72 ms at M16384 K4096 N16384 and 3.40 ms twenty timings later in the same process (tenth
+    session), which skewed every ratio against the rows measured after it."""
+    if not torch.cuda.is_available():
+        return
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+
+
 def _graphed(fn):
     """fn captured in a CUDA graph after warm-up calls on a side stream: returns the replay."""
     stream = torch.cuda.Stream()
@@ -406,6 +424,7 @@ def run_case(case: Case, max_autotune: bool) -> list:
         print(f"  {path:28s} {ms:9.3f} ms  {case.flop / ms / 1e9:7.1f} TFLOP/s  {extra}", flush=True)
 
     print(f"\n{case.name}", flush=True)
+    _heat(cublas)
     add("cuBLAS matmuls alone", _bench(cublas, case.train))
     back_to_back = not case.train and not case.graphs and torch.cuda.is_available()
     if back_to_back:  # diagnostic: GPU time alone, to tell kernel time from per-call CPU cost
@@ -450,6 +469,8 @@ def run_case(case: Case, max_autotune: bool) -> list:
                 add("xaccel, CUDA graph", _bench(graphed(compiled), False))
         except Exception as e:  # noqa: BLE001 - a failing path is a finding, not a crash
             print(f"  {path:28s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+    if not case.graphs:  # the first row again, after everything else: how far the clocks moved meanwhile
+        add("cuBLAS matmuls alone, again", _bench(cublas, case.train), "measured last, as a check of the first row")
     base = rows[0]["ms"]
     xa = next((r["ms"] for r in rows if r["path"] == "xaccel"), None)
     for r in rows:
@@ -505,6 +526,8 @@ def main(argv=None) -> int:
     except re.error as e:
         p.error(f"--paths {args.paths!r} is not a regular expression: {e}")
     PATHS = args.paths
+    if args.suite == "gemm":  # CUTLASS kernels built before tuning, so every call is timed with them
+        os.environ.setdefault("XACCEL_CUTLASS", "wait")
     smoke = not torch.cuda.is_available()
     if smoke and not (args.suite == "model" and args.quick):
         print("benchmarks need a CUDA GPU (without one, only `model --quick` runs, as a smoke test of the code path)")
@@ -518,7 +541,7 @@ def main(argv=None) -> int:
     # the device machine gets a copy of the tree without .git: pass XACCEL_COMMIT from the checkout
     commit = os.environ.get("XACCEL_COMMIT") or os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip() or "unknown"
     header = (f"{args.suite}: {time.strftime('%Y-%m-%d')}, {gpu}, torch {torch.__version__}, triton {triton.__version__}, "
-              f"commit {commit}; bf16, median of triton.testing.do_bench")
+              f"commit {commit}; bf16, median of triton.testing.do_bench; XACCEL_CUTLASS={os.environ.get('XACCEL_CUTLASS', '1')}")
     print(header)
     started = time.time()
     rows = []

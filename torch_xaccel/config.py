@@ -20,7 +20,7 @@ class Config:
     log: bool
     cache_dir: Path
     keep_mlstm_states: bool = True
-    backward_fusion: bool = False
+    backward_fusion: bool = False  # see backward_fusion(): the default depends on the machine
 
 
 def _flag(name: str) -> bool:
@@ -39,12 +39,43 @@ def tuning_enabled() -> bool:
 
 
 def backward_fusion() -> bool:
-    """XACCEL_BACKWARD_FUSION (default off): a training graph's backward also fuses each GEMM with
-    the activation gradient or residual add that follows it (lowering/backward.py). Off by default
-    because it measured slower: on the H200 the generated kernels do not beat cuBLAS + the
-    elementwise kernel on the backward's GEMMs (a 4-layer MLP train step, interleaved A/B over six
-    rounds in two processes: 0.12-0.27 ms slower of 21.6 ms, every round)."""
-    return _flag("XACCEL_BACKWARD_FUSION")
+    """XACCEL_BACKWARD_FUSION: a training graph's backward also fuses each GEMM with the activation
+    gradient or residual add that follows it (lowering/backward.py). Default: on where CUTLASS
+    kernels can be built and run (an sm_90 GPU, nvcc, the CUTLASS headers, XACCEL_CUTLASS not 0),
+    else off. Measured on the H200 (4-layer MLP train step, interleaved rounds): with the Triton
+    kernels only it was slower in 6 of 6 rounds (0.05-0.33 ms of 21.6: they lose to cuBLAS on the
+    backward's K x N weight layout); with CUTLASS it was faster in 6 of 6 (0.01-0.88 ms)."""
+    if os.environ.get("XACCEL_BACKWARD_FUSION", "").strip():
+        return _flag("XACCEL_BACKWARD_FUSION")
+    return cutlass_mode() != "0" and cutlass_available()
+
+
+def cutlass_available() -> bool:
+    """An sm_90 GPU is present and nvcc and the CUTLASS headers are installed."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return False
+    from .codegen import cutlass_gemm
+
+    return not isinstance(cutlass_gemm.toolchain(), str)
+
+
+CUTLASS_MODES = ("0", "1", "wait")
+
+
+def cutlass_mode() -> str:
+    """XACCEL_CUTLASS: whether GEMM + epilogue tuning also times generated CUTLASS kernels (built
+    with nvcc: about a minute each, once per epilogue and tile config, kept in the cache).
+    "1" (default): they build in the background; until they are built the Triton kernels and ATen
+    compete alone, then the case is timed again with them (a compile never waits for nvcc).
+    "wait": tuning builds them first (reproducible from the first call; benchmarks use it).
+    "0": never."""
+    raw = os.environ.get("XACCEL_CUTLASS", "").strip().lower() or "1"
+    raw = {"on": "1", "true": "1", "yes": "1", "off": "0", "false": "0", "no": "0"}.get(raw, raw)
+    if raw not in CUTLASS_MODES:
+        raise XaccelConfigError(f"XACCEL_CUTLASS={os.environ['XACCEL_CUTLASS']!r} is invalid; allowed: 0, 1 or wait")
+    return raw
 
 
 def keep_mlstm_states() -> bool:
@@ -99,6 +130,7 @@ def load() -> Config:
 
     tuning_enabled()  # a bad XACCEL_TUNE / XACCEL_COMPILE_THREADS fails the compile here, not in a kernel call
     compile_threads()
+    cutlass_mode()
     return Config(disable=_flag("XACCEL_DISABLE"), patterns=_patterns(FAMILIES_WITH_PASSES),
                   fallback=_fallback(), log=_flag("XACCEL_LOG"), cache_dir=_cache_dir(),
                   keep_mlstm_states=keep_mlstm_states(), backward_fusion=backward_fusion())

@@ -1,0 +1,91 @@
+"""CUTLASS path on the CPU: the epilogue IR renders into an EVT kernel that nvcc compiles (when
+nvcc and the CUTLASS headers are here), failed builds are kept and reported, and every case the
+kernel does not cover names its reason. The kernels themselves run in tests/test_gpu_cutlass_gemm.py."""
+import ctypes
+
+import pytest
+import torch
+
+from torch_xaccel.codegen import cutlass_gemm
+from torch_xaccel.epilogue_ir import GRAD, UNARY, Epilogue
+
+GELU_RES = Epilogue(({"op": "acc", "index": 0}, {"op": "load", "operand": 0, "bcast": "row"}, {"op": "add", "in": [0, 1]},
+                     {"op": "gelu_tanh", "in": [2]}, {"op": "load", "operand": 1, "bcast": "full"},
+                     {"op": "add", "in": [3, 4]}), (5,))
+BF16 = [torch.bfloat16, torch.bfloat16]
+needs_toolchain = pytest.mark.skipif(isinstance(cutlass_gemm.toolchain(), str),
+                                     reason=f"CUTLASS toolchain: {cutlass_gemm.toolchain()}")
+
+
+def _every_op() -> Epilogue:
+    nodes = [{"op": "acc", "index": 0}, {"op": "load", "operand": 0, "bcast": "col"}, {"op": "const", "value": 0.5}]
+    for op in UNARY:
+        nodes.append({"op": op, "in": [len(nodes) - 1 if len(nodes) > 3 else 0]})
+    for op in GRAD:
+        nodes.append({"op": op, "in": [len(nodes) - 1, 1]})
+    for op in ("add", "sub", "mul", "div"):
+        nodes.append({"op": op, "in": [len(nodes) - 1, 2]})
+    return Epilogue(tuple(nodes), (len(nodes) - 1,))
+
+
+def test_render_writes_one_line_per_node_and_one_evt_child_per_operand():
+    ep = _every_op()
+    name, src = cutlass_gemm.render(ep, torch.float16, [torch.float16], {0: "col"}, False, cutlass_gemm.LARGE[0])
+    assert name.startswith("gemm_epilogue_1x_cutlass_128x256x64_c2x1_")
+    for i in range(len(ep.nodes)):
+        assert f"const float v{i} = " in src
+    assert src.count("Sm90ColBroadcast") == 1 and "Sm90SrcFetch" not in src
+    assert "using ElementC = void;" in src and "cutlass::layout::RowMajor, kAlign,\n    float" in src  # B is K x N
+    assert "0.5f" in src and "erff" in src and "fast_tanh" in src
+    # the chain's arguments follow the EVT children: the accumulator, then operand 0
+    assert "float chain0(float acc, float op0)" in src
+
+
+def test_render_reads_a_full_operand_as_the_c_matrix():
+    name, src = cutlass_gemm.render(GELU_RES, torch.bfloat16, BF16, {0: "row", 1: "full"}, True, cutlass_gemm.LARGE[3])
+    assert "KernelTmaWarpSpecializedPingpong" in src and "Sm90SrcFetch<ElementC>" in src
+    assert "using ElementC = cutlass::bfloat16_t;" in src and "ops[1]" in src
+    other, _ = cutlass_gemm.render(GELU_RES, torch.bfloat16, BF16, {0: "row", 1: "full"}, True, cutlass_gemm.LARGE[0])
+    assert other != name  # tile and schedule are part of the name
+
+
+def test_an_extra_output_is_stored_by_its_own_chain_and_read_by_the_final_one():
+    """outputs (gelu, pre-activation), as a training forward asks: ChainFn1 computes acc + bias
+    under an auxiliary store; the final chain takes that value instead of adding the bias again."""
+    ep = Epilogue(GELU_RES.nodes[:4], (3, 2))
+    _, src = cutlass_gemm.render(ep, torch.bfloat16, BF16[:1], {0: "row"}, True, cutlass_gemm.LARGE[0])
+    assert "float chain1(float acc, float op0)" in src and "float chain0(float acc, float out1)" in src
+    final = src[src.index("float chain0("):src.index("}", src.index("float chain0("))]
+    assert "const float v2 = out1;" in final and "op0" not in final
+    assert "Sm90AuxStore<0, void, cutlass::bfloat16_t" in src and "outs[1]" in src
+
+
+def test_cases_outside_the_cutlass_path_name_their_reason():
+    a, b = torch.randn(64, 32), torch.randn(48, 32)
+    assert "sm_90a" in cutlass_gemm.unsupported(GELU_RES, a, [b], [], True, {})
+
+
+@needs_toolchain
+def test_generated_source_compiles_and_exports_its_entry_points(tmp_path, monkeypatch):
+    """nvcc 13 + the nvidia-cutlass headers compile the rendered kernel (about a minute on two cores)."""
+    monkeypatch.setenv("XACCEL_CACHE_DIR", str(tmp_path))
+    name, src = cutlass_gemm.render(GELU_RES, torch.bfloat16, BF16, {0: "row", 1: "full"}, True, cutlass_gemm.LARGE[0])
+    assert cutlass_gemm.state(name, src) == "absent"
+    cutlass_gemm.wait_built(name, src)
+    assert cutlass_gemm.state(name, src) == "built"
+    lib = ctypes.CDLL(str(next((tmp_path / "cutlass").glob(f"{name}_*.so"))))
+    assert lib.xaccel_run and lib.xaccel_workspace_size
+    assert (tmp_path / "cutlass" / f"{next((tmp_path / 'cutlass').glob(f'{name}_*.so')).stem}.cu").read_text() == src
+    assert not list((tmp_path / "cutlass").glob("*.tmp")) and not list((tmp_path / "cutlass").glob("*.building"))
+
+
+@needs_toolchain
+def test_a_failed_build_is_kept_and_reported_without_rebuilding(tmp_path, monkeypatch):
+    monkeypatch.setenv("XACCEL_CACHE_DIR", str(tmp_path))
+    src = '#error "xaccel test: this kernel does not compile"\n'
+    with pytest.raises(cutlass_gemm.CutlassBuildError, match="does not compile"):
+        cutlass_gemm.wait_built("broken_kernel", src)
+    assert cutlass_gemm.state("broken_kernel", src) == "failed"
+    assert cutlass_gemm.start_build("broken_kernel", src) is None  # not retried
+    with pytest.raises(cutlass_gemm.CutlassBuildError, match="does not compile"):
+        cutlass_gemm.load("broken_kernel", src)
