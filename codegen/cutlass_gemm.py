@@ -30,7 +30,7 @@ import torch
 from torch_xaccel.epilogue_ir import GRAD, UNARY, Epilogue
 
 from . import cache
-from .render import _ENV
+from .render import _ENV, compute_expr
 
 _ELEMENT = {torch.bfloat16: "cutlass::bfloat16_t", torch.float16: "cutlass::half_t", torch.float32: "float"}
 
@@ -132,16 +132,9 @@ def _lines(ep: Epilogue, need: set[int], preset: dict[int, str]) -> list[str]:
             expr = "acc"
         elif op == "const":
             expr = f"{float(n['value'])!r}f".replace("inff", "INFINITY")
-        elif op in _UNARY:
-            expr = _UNARY[op].format(x=f"v{n['in'][0]}")
-        elif op in _GRAD:
-            names = dict(g=f"v{n['in'][0]}", x=f"v{n['in'][1]}", t=f"t{i}")
-            *temps, last = _GRAD[op]
-            lines += [t.format(**names) + ";" for t in temps]
-            expr = last.format(**names)
         else:
-            x, y = n["in"]
-            expr = f"v{x} {_BINARY[op]} v{y}"
+            temps, expr = compute_expr(i, n, _UNARY, _GRAD, _BINARY)
+            lines += [t + ";" for t in temps]
         lines.append(f"const float v{i} = {expr};")
     return lines
 

@@ -55,18 +55,25 @@ def epilogue_lines(ep: Epilogue, acc_suffix: str = "") -> list[str]:
             key = (n["operand"], n["bcast"])
             expr = loaded.get(key) or _LOAD[n["bcast"]].format(j=n["operand"])
             loaded.setdefault(key, f"v{i}")
-        elif op in _UNARY:
-            expr = _UNARY[op].format(x=f"v{n['in'][0]}")
-        elif op in _GRAD:
-            names = dict(g=f"v{n['in'][0]}", x=f"v{n['in'][1]}", t=f"t{i}")
-            *temps, last = _GRAD[op]
-            lines += [t.format(**names) for t in temps]
-            expr = last.format(**names)
         else:
-            x, y = n["in"]
-            expr = f"v{x} {_BINARY[op]} v{y}"
+            temps, expr = compute_expr(i, n, _UNARY, _GRAD, _BINARY)
+            lines += temps
         lines.append(f"v{i} = {expr}")
     return lines
+
+
+def compute_expr(i: int, n: dict, unary: dict, grad: dict, binary: dict) -> tuple[list[str], str]:
+    """(temporaries, expression) of compute node i (unary, grad or binary) over the values v<j>, from a
+    renderer's tables (Triton's here, C++ in cutlass_gemm); grad formulas may assign temporaries t<i>."""
+    op = n["op"]
+    if op in unary:
+        return [], unary[op].format(x=f"v{n['in'][0]}")
+    if op in grad:
+        names = dict(g=f"v{n['in'][0]}", x=f"v{n['in'][1]}", t=f"t{i}")
+        *temps, last = grad[op]
+        return [t.format(**names) for t in temps], last.format(**names)
+    x, y = n["in"]
+    return [], f"v{x} {binary[op]} v{y}"
 
 
 # tma2: the persistent TMA kernel whose epilogue runs on two BLOCK_N/2 halves of the tile in turn,
