@@ -1,5 +1,5 @@
-"""On-disk cache under XACCEL_CACHE_DIR: rendered kernel sources (readable, named after their op)
-and tuning decisions. Safe across processes: writes go to a temp file and are renamed into place,
+"""On-disk cache under XACCEL_CACHE_DIR: rendered kernel sources (readable, named after their op),
+built CUTLASS libraries (cutlass/, managed by codegen/cutlass_gemm.py) and tuning decisions. Safe across processes: writes go to a temp file and are renamed into place,
 tuning holds a per-key file lock, and an entry that does not parse or names another key is
 ignored and rebuilt, never trusted."""
 from __future__ import annotations

@@ -61,10 +61,13 @@ def test_xlstm_large_native_bf16_runs_compiled_where_eager_raises():
     assert not any(r.note for r in report.replacements if r.op == "xaccel.mlstm")  # no backward: nothing kept
 
 
-def test_xlstm_large_native_train_step_equal_to_eager(monkeypatch):
+@pytest.mark.parametrize("backward_fusion", ["0", "1"])  # "1": the default where CUTLASS kernels run
+def test_xlstm_large_native_train_step_equal_to_eager(monkeypatch, backward_fusion):
     """Training through xaccel.mlstm's own backward: logits within 1e-5 and every parameter's
     gradient within 2e-4 of eager (the input-gate biases' gradients are near-cancelling sums of
-    norm ~3e-6, where fp32 summation order alone shows at ~1e-4), all gradients together 1e-5."""
+    norm ~3e-6, where fp32 summation order alone shows at ~1e-4), all gradients together 1e-5.
+    With backward fusion the backward graph's GEMM chains are fused too (GPU default with CUTLASS)."""
+    monkeypatch.setenv("XACCEL_BACKWARD_FUSION", backward_fusion)
     model, tokens = _model("train"), torch.randint(0, 97, (2, 32))
     want = model(tokens)[0]
     want.float().square().mean().backward()
@@ -87,6 +90,9 @@ def test_xlstm_large_native_train_step_equal_to_eager(monkeypatch):
     assert all("keeps its chunk states" in r.note for r in report.replacements if r.op == "xaccel.mlstm"), str(report)
     assert all(rel_err(p.grad, g) <= 2e-4 for p, g in zip(model.parameters(), grads))
     assert rel_err(torch.cat([p.grad.flatten() for p in model.parameters()]), torch.cat([g.flatten() for g in grads])) <= 1e-5
+    assert not [f for f in report.fallbacks if "backward" in str(f).lower()], str(report)
+    fused = [r for r in report.replacements if r.op == "xaccel.gemm_epilogue" and "backward" in r.note]
+    assert bool(fused) == (backward_fusion == "1"), str(report)
 
 
 def test_xlstm_large_native_traces_library_code_when_mlstm_is_switched_off(monkeypatch):
