@@ -263,8 +263,29 @@ def state(name: str, src: str) -> str:
     return "absent"
 
 
+def max_builds() -> int:
+    """How many nvcc builds may run at once in one cache (XACCEL_COMPILE_THREADS, at most the CPU
+    count): a model with ten epilogues would otherwise start forty, each taking a core and a GB or
+    two of memory. Counted from the .building markers, so it holds across processes (loosely: two
+    processes starting at the same instant may both take the last slot)."""
+    from torch_xaccel.config import compile_threads
+
+    return max(1, min(compile_threads(), os.cpu_count() or 1))
+
+
+def running_builds() -> int:
+    now, n = time.time(), 0
+    for marker in (cache.root() / "cutlass").glob("*.building"):
+        try:
+            n += now - marker.stat().st_mtime < BUILD_TIMEOUT_S
+        except OSError:  # finished meanwhile
+            pass
+    return n
+
+
 def start_build(name: str, src: str) -> subprocess.Popen | None:
-    """Start building `src` unless it is built, failed or being built; returns the job or None."""
+    """Start building `src` unless it is built, failed or being built, or max_builds() builds are
+    running (it stays "absent": callers try again later); returns the job or None."""
     tools = toolchain()
     if isinstance(tools, str):
         raise CutlassBuildError(tools)
@@ -273,6 +294,8 @@ def start_build(name: str, src: str) -> subprocess.Popen | None:
     nvcc, root = tools
     p = _paths(name, src)
     p["lib"].parent.mkdir(parents=True, exist_ok=True)
+    if running_builds() >= max_builds():
+        return None
     try:
         fd = os.open(p["building"], os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:  # a stale marker (state said so) or another process just now
@@ -295,13 +318,15 @@ def start_build(name: str, src: str) -> subprocess.Popen | None:
 
 def wait_built(name: str, src: str, timeout_s: float = BUILD_TIMEOUT_S) -> None:
     """Block until `src` is built (by this process or another); raise CutlassBuildError if it failed."""
-    job = start_build(name, src)
-    if job is not None:
-        job.wait(timeout_s)
     t0 = time.time()
-    while state(name, src) == "building" and time.time() - t0 < timeout_s:
-        time.sleep(0.5)
     st = state(name, src)
+    while st not in ("built", "failed") and time.time() - t0 < timeout_s:
+        job = start_build(name, src) if st == "absent" else None
+        if job is not None:
+            job.wait(max(1.0, timeout_s - (time.time() - t0)))
+        else:  # building elsewhere, or waiting for a free build slot
+            time.sleep(0.5)
+        st = state(name, src)
     if st == "failed":
         log = _paths(name, src)["failed"].read_text()
         raise CutlassBuildError(f"nvcc failed on {name}: {log.strip()[-600:]}")
@@ -330,16 +355,31 @@ def load(name: str, src: str) -> ctypes.CDLL:
 
 
 def build_all(jobs: list[tuple[str, str]], label: str) -> None:
-    """Build several kernels at once (separate nvcc processes), with a progress line; errors are
-    raised again, with nvcc's output, when each is loaded for timing."""
-    started = [j for j in (start_build(name, src) for name, src in jobs) if j is not None]
-    if not started:
+    """Build several kernels, max_builds() nvcc processes at a time, with a progress line; errors
+    are raised again, with nvcc's output, when each is loaded for timing."""
+    pending = list(dict.fromkeys((n, s) for n, s in jobs if state(n, s) not in ("built", "failed")))
+    if not pending:
         return
-    progress = cache.Progress(f"{label}: building {len(started)} CUTLASS kernels (nvcc, once)", len(started))
+    progress = cache.Progress(f"{label}: building {len(pending)} CUTLASS kernels (nvcc, once)", len(pending))
     progress.t0 -= 2.0  # an nvcc build takes a minute: show the bar at once
-    for k, job in enumerate(started):
-        job.wait(BUILD_TIMEOUT_S)
-        progress.step(k + 1)
+    running: dict = {}
+    total, t0 = len(pending), time.time()
+    while (pending or running) and time.time() - t0 < BUILD_TIMEOUT_S:
+        for item in list(pending):
+            st = state(*item)
+            if st in ("built", "failed"):  # by another process
+                pending.remove(item)
+            elif st == "absent":
+                job = start_build(*item)
+                if job is not None:
+                    running[item] = job
+                    pending.remove(item)
+        for item, job in list(running.items()):
+            if job.poll() is not None:
+                del running[item]
+        progress.step(total - len(pending) - len(running))
+        if pending or running:
+            time.sleep(0.5)
     progress.close()
 
 

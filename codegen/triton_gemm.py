@@ -359,9 +359,13 @@ def _pending_done(key) -> bool:
     if now < next_poll:
         return False
     _PENDING[key] = (now + POLL_S, sources)
-    if all(cutlass_gemm.state(*src) in ("built", "failed") for src in sources):
+    states = [cutlass_gemm.state(*src) for src in sources]
+    if all(st in ("built", "failed") for st in states):
         del _PENDING[key]
         return True
+    for src, st in zip(sources, states):
+        if st == "absent":  # deferred for a free build slot, or its build died: start it now
+            cutlass_gemm.start_build(*src)
     return False
 
 

@@ -89,3 +89,28 @@ def test_a_failed_build_is_kept_and_reported_without_rebuilding(tmp_path, monkey
     assert cutlass_gemm.start_build("broken_kernel", src) is None  # not retried
     with pytest.raises(cutlass_gemm.CutlassBuildError, match="does not compile"):
         cutlass_gemm.load("broken_kernel", src)
+
+
+@needs_toolchain
+def test_builds_wait_for_a_free_slot(tmp_path, monkeypatch):
+    """At most max_builds() nvcc processes per cache, counted across processes by their markers;
+    build_all starts the rest as slots free up."""
+    monkeypatch.setenv("XACCEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cutlass_gemm, "max_builds", lambda: 1)
+    jobs = [(f"broken_{i}", f'#error "xaccel test {i}"\n') for i in range(3)]
+    other = tmp_path / "cutlass" / "another_process.building"
+    other.parent.mkdir(parents=True)
+    other.touch()
+    assert cutlass_gemm.start_build(*jobs[0]) is None and cutlass_gemm.state(*jobs[0]) == "absent"
+    other.unlink()
+    started, real = [], cutlass_gemm.start_build
+
+    def counting(name, src):
+        job = real(name, src)
+        if job is not None:
+            started.append(cutlass_gemm.running_builds())
+        return job
+    monkeypatch.setattr(cutlass_gemm, "start_build", counting)
+    cutlass_gemm.build_all(jobs, "test")
+    assert started == [1, 1, 1]  # one at a time
+    assert all(cutlass_gemm.state(n, s) == "failed" for n, s in jobs)
