@@ -363,7 +363,7 @@ def build_all(jobs: list[tuple[str, str]], label: str) -> None:
     progress = cache.Progress(f"{label}: building {len(pending)} CUTLASS kernels (nvcc, once)", len(pending))
     progress.t0 -= 2.0  # an nvcc build takes a minute: show the bar at once
     running: dict = {}
-    total, t0 = len(pending), time.time()
+    total, t0, shown = len(pending), time.time(), -1
     while (pending or running) and time.time() - t0 < BUILD_TIMEOUT_S:
         for item in list(pending):
             st = state(*item)
@@ -377,7 +377,9 @@ def build_all(jobs: list[tuple[str, str]], label: str) -> None:
         for item, job in list(running.items()):
             if job.poll() is not None:
                 del running[item]
-        progress.step(total - len(pending) - len(running))
+        if total - len(pending) - len(running) != shown:
+            shown = total - len(pending) - len(running)
+            progress.step(shown)
         if pending or running:
             time.sleep(0.5)
     progress.close()

@@ -157,3 +157,29 @@ def test_background_mode_tunes_without_waiting_then_again_with_cutlass(monkeypat
     assert cutlass_gemm.state(name, src) == "built"
     second = call()
     assert second["pending"] == [] and len(_cutlass_timed(second)) == 1, second["timings"]
+
+
+def test_cutlass_kernel_captured_in_a_cuda_graph_replays_with_new_inputs():
+    """mode="reduce-overhead" and graphed decode loops capture the ops: a CUTLASS launch (TMA
+    descriptors built on the host, then one kernel) must record into a CUDA graph and, replayed
+    after the inputs changed in place, compute from the new values."""
+    from torch_xaccel.codegen import triton_gemm
+
+    text, kinds, dtype, transposed, cfgs = CASES[0]
+    torch.manual_seed(7)
+    a = torch.randn(M, K, device="cuda", dtype=dtype)
+    b = torch.randn(N, K, device="cuda", dtype=dtype) / K ** 0.5
+    ops = _operands(kinds, dtype)
+    c = triton_gemm._Case(a, [b], ops, text, True)
+    outs = c.new_outputs()
+    c.launch(cfgs[0], outs)  # loads the library outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        c.launch(cfgs[0], outs)
+    a.copy_(torch.randn_like(a))
+    outs[0].fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = reference(a.double(), [b.double()], [o.double() for o in ops], text, True)[0]
+    assert rel_err(outs[0], want) <= 1e-2
