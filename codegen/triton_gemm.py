@@ -13,6 +13,7 @@ import time
 import torch
 
 from torch_xaccel.config import cutlass_mode, tuning_enabled
+from torch_xaccel import runtime
 from torch_xaccel.epilogue_ir import parse
 
 from . import cache, cutlass_gemm
@@ -197,6 +198,10 @@ class _Case:
         go((min(n_sms, tiles),), a_desc, *b_descs, *self.ops, *outs, self.M, self.N, self.K, *self.op_strides,
            self.N, 1, NUM_SMS=n_sms, FLATTEN=bool(flatten), **meta)
 
+    def label(self) -> str:
+        """For reports: 'bfloat16 M16384 N16384 K4096: add(row) -> gelu_tanh -> add(full)'."""
+        return f"{str(self.dtype).replace('torch.', '')} M{self.M} N{self.N} K{self.K}: {self.ep.describe()}"
+
     @property
     def kernel_name(self) -> str:
         return _kernel(self.epilogue, len(self.ops), self.precision, "ptr", self.b_transposed)[0]
@@ -369,6 +374,20 @@ def _pending_done(key) -> bool:
     return False
 
 
+def describe(cfg, pending: int = 0) -> str:
+    """What a tuning decision runs, in words, for reports."""
+    if cfg is None:
+        what = "ATen (cuBLAS, then the chain)"
+    elif cfg[0] in cutlass_gemm.VARIANTS:
+        kind = "ping-pong" if cfg[0] == "cutlass_pp" else "cooperative"
+        what = f"CUTLASS {kind} {cfg[1]}x{cfg[2]}x{cfg[3]}, cluster {cfg[4]}x{cfg[5]}"
+    else:
+        what = f"Triton {cfg[0]} {cfg[1]}x{cfg[2]}x{cfg[3]}"
+    if pending:
+        what += f"; {pending} CUTLASS configs still building (timed again once built)"
+    return what
+
+
 def _int32_reach(a, bs, operands, b_transposed) -> bool:
     """Whether every element the kernels address lies below 2^31 elements from its tensor's start
     (the kernels compute offsets in int32: an LM head at 64K tokens x 50K vocab, 3.3e9 outputs,
@@ -385,6 +404,7 @@ def provider(key, a, bs, operands, epilogue, b_transposed):
     if not _int32_reach(a, bs, operands, b_transposed):
         return aten_composition(a, bs, operands, epilogue, b_transposed)  # cuBLAS takes 64-bit sizes
 
+    runtime.note_use(key)
     if key in _PENDING and not (a.is_cuda and torch.cuda.is_current_stream_capturing()) and _pending_done(key):
         _DECISIONS.pop(key, None)  # its CUTLASS kernels are built: time the case again, with them
     cfg = _DECISIONS.get(key, "unset")
@@ -400,6 +420,7 @@ def provider(key, a, bs, operands, epilogue, b_transposed):
         _DECISIONS[key] = cfg
         if pending:
             _PENDING[key] = (time.monotonic() + POLL_S, [case.cutlass_source(c) for c in pending])
+        runtime.record_choice(key, "gemm_epilogue", case.label(), describe(cfg, len(pending)))
     if cfg is None or not case.usable(cfg):
         # ATen measured faster for this shape class, or this call's strides/alignment rule out
         # the TMA kernel tuned on an earlier call with the same shapes

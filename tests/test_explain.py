@@ -62,3 +62,22 @@ def test_report_suggests_inductor_for_many_eager_pointwise_ops(xaccel_env):
     with torch.no_grad():
         torch.compile(_many_pointwise, backend="xaccel")(x, w)
     assert "hint" not in str(torch_xaccel.last_report(1))
+
+
+def test_explain_names_the_kernel_each_gemm_case_runs(monkeypatch, tmp_path):
+    """The tuner's decision for every GEMM case the run used, in words, with pending CUTLASS builds.
+    The tuning itself is stubbed (ATen wins, two CUTLASS configs building): the plumbing is tested."""
+    from torch_xaccel.codegen import triton_gemm
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets the GEMM provider take CPU tensors
+    monkeypatch.setenv("XACCEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(triton_gemm, "_DECISIONS", {})
+    monkeypatch.setattr(triton_gemm, "_PENDING", {})
+    monkeypatch.setattr(triton_gemm, "choose", lambda case, *a: (None, []))
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(approximate="tanh"))
+    report = torch_xaccel.explain(model, torch.randn(4, 8))
+    assert report.kernel_choices == [("gemm_epilogue", "float32 M4 N16 K8: add(row) -> gelu_tanh", "ATen (cuBLAS, then the chain)")]
+    assert "  kernel    gemm_epilogue  float32 M4 N16 K8: add(row) -> gelu_tanh -> ATen" in str(report)
+    assert triton_gemm.describe(("cutlass_pp", 128, 128, 64, 2, 1, 8, 0), 2) == (
+        "CUTLASS ping-pong 128x128x64, cluster 2x1; 2 CUTLASS configs still building (timed again once built)")
+    assert triton_gemm.describe(("tma", 128, 256, 64, 8, 8, 3, 1)) == "Triton tma 128x256x64"

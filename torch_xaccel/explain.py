@@ -8,7 +8,8 @@ from .report import Fallback, Report, collect
 
 def explain(model, *args, **kwargs) -> Report:
     """Compile `model` with the xaccel backend on these inputs, run it once, and report:
-    replacements per family, fallbacks with reasons, Dynamo graph breaks and kernel failures.
+    replacements per family, fallbacks with reasons, Dynamo graph breaks, kernel failures and, for
+    each GEMM case the run used, which kernel the tuner chose (and CUTLASS builds still pending).
 
     Like torch._dynamo.explain, this resets Dynamo's caches before and after (models compiled
     earlier recompile on their next call)."""
@@ -19,12 +20,15 @@ def explain(model, *args, **kwargs) -> Report:
     breaks = torch._dynamo.explain(model)(*args, **kwargs).break_reasons
     n_events = len(runtime.EVENTS)
     torch._dynamo.reset()
+    runtime.SEEN = seen = set()
     try:
         with collect() as graphs:
             torch.compile(model, backend=xaccel_backend)(*args, **kwargs)
     finally:
+        runtime.SEEN = None
         torch._dynamo.reset()
-    report = Report(graphs=graphs, runtime_fallbacks=runtime.EVENTS[n_events:])
+    report = Report(graphs=graphs, runtime_fallbacks=runtime.EVENTS[n_events:],
+                    kernel_choices=[runtime.CHOICES[k] for k in seen if k in runtime.CHOICES])
     for b in breaks:
         frames = getattr(b, "user_stack", None) or []
         where = f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}" if frames else ""

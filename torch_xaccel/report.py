@@ -46,6 +46,7 @@ class Report:
     graphs: list[GraphReport] = field(default_factory=list)
     graph_breaks: list[Fallback] = field(default_factory=list)
     runtime_fallbacks: list = field(default_factory=list)
+    kernel_choices: list = field(default_factory=list)  # (op, case, what runs), filled by explain()
 
     @property
     def replacements(self) -> list[Replacement]:
@@ -78,6 +79,7 @@ class Report:
         rows += [("fallback", f.family, f.reason, f.location) for f in self.fallbacks]
         rows += [("runtime", e.op, f"{e.reason} [kernel {e.provider.rsplit('.', 1)[-1]}]", e.key[:40])
                  for e in self.runtime_fallbacks]
+        rows += [("kernel", op, f"{case} -> {choice}", "") for op, case, choice in sorted(self.kernel_choices)]
         if rows:
             head = ("what", "family", "detail", "where")
             widths = [min(max(len(str(r[i])) for r in rows + [head]), 70) for i in range(3)]

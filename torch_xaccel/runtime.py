@@ -26,6 +26,20 @@ class RuntimeFallback:
 
 
 _PROVIDERS: dict[str, list[Callable]] = {}
+# Kernel choices, for reports: case key -> (op, case label, what runs). Providers set them when they
+# decide; while explain() runs, SEEN collects the keys of the cases its run actually used.
+CHOICES: dict = {}
+SEEN: set | None = None
+
+
+def record_choice(key, op: str, case: str, choice: str) -> None:
+    CHOICES[key] = (op, case, choice)
+
+
+def note_use(key) -> None:
+    """Called on every kernel-provider call: one `is None` test unless explain() is collecting."""
+    if SEEN is not None:
+        SEEN.add(key)
 _BROKEN: set[tuple[str, str, tuple]] = set()
 EVENTS: list[RuntimeFallback] = []
 
