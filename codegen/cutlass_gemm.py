@@ -312,8 +312,12 @@ def start_build(name: str, src: str) -> subprocess.Popen | None:
     script = (f'{shlex.join(cmd)} > {shlex.quote(str(p["log"]))} 2>&1 && mv -f {shlex.quote(tmp)} {shlex.quote(str(p["lib"]))}'
               f' || {{ mv -f {shlex.quote(str(p["log"]))} {shlex.quote(str(p["failed"]))}; rm -f {shlex.quote(tmp)}; }};'
               f' rm -f {shlex.quote(str(p["log"]))} {shlex.quote(str(p["building"]))}')
-    return subprocess.Popen(["sh", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        return subprocess.Popen(["sh", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    except OSError as e:  # no shell to run it: drop the marker, or waiters would wait out its 15 minutes
+        p["building"].unlink(missing_ok=True)
+        raise CutlassBuildError(f"could not start nvcc for {name}: {e}") from e
 
 
 def wait_built(name: str, src: str, timeout_s: float = BUILD_TIMEOUT_S) -> None:
