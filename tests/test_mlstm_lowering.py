@@ -72,18 +72,20 @@ def block_with_eps_argument(x, i, f, w, b, eps=1e-6):
 
 
 @pytest.mark.parametrize("specialize_float", [False, True])
-def test_dynamic_float_eps_keeps_the_backend_working(monkeypatch, specialize_float):
+def test_dynamic_float_eps_keeps_the_backend_working(specialize_float):
     """Under dynamic=True a float eps becomes a graph input read with .item(): the backend used to
     fail as a whole there. Now the rest is still lowered, the mLSTM stays eager with a reason that
     says what to do, and with specialize_float the mLSTM is replaced too."""
     import torch._dynamo
 
-    monkeypatch.setattr(torch._dynamo.config, "specialize_float", specialize_float)
+    # config.patch, not monkeypatch: pytest 9.2's monkeypatch undoes the setattr with a delattr,
+    # which removes the option from torch's config module for the rest of the session
     torch._dynamo.reset()
     x = torch.randn(2, 10, 16, requires_grad=True)
     i, f = torch.randn(2, 2, 10, requires_grad=True), (torch.randn(2, 2, 10) + 2).requires_grad_()
     w, b = torch.randn(12, 16, requires_grad=True), torch.randn(12, requires_grad=True)
-    report = check_compiled(block_with_eps_argument, [x, i, f, w, b], dynamic=True, tol=2e-5)
+    with torch._dynamo.config.patch(specialize_float=specialize_float):
+        report = check_compiled(block_with_eps_argument, [x, i, f, w, b], dynamic=True, tol=2e-5)
     assert not [fb for fb in report.fallbacks if fb.family == "backend"], str(report)
     assert report.counts()["gemm_epilogue"] == 1, str(report)
     if specialize_float:
