@@ -114,3 +114,17 @@ def test_builds_wait_for_a_free_slot(tmp_path, monkeypatch):
     cutlass_gemm.build_all(jobs, "test")
     assert started == [1, 1, 1]  # one at a time
     assert all(cutlass_gemm.state(n, s) == "failed" for n, s in jobs)
+
+
+def test_settle_waits_for_background_builds_then_the_next_call_retunes(monkeypatch):
+    """bench's steady-state timing: settle() blocks while a pending CUTLASS build runs, then the
+    case's next call sees it finished (and retunes) without waiting for the poll interval."""
+    from torch_xaccel.codegen import triton_gemm
+
+    states = iter(["building", "building", "building", "built"])
+    monkeypatch.setattr(cutlass_gemm, "state", lambda name, src: next(states, "built"))
+    monkeypatch.setattr(triton_gemm, "_PENDING", {"case": (float("inf"), [("kernel", "source")])})
+    monkeypatch.setattr(triton_gemm.time, "sleep", lambda s: None)
+    assert triton_gemm.settle() == 1
+    assert next(states, "done") == "done"  # it waited through every "building"
+    assert triton_gemm._pending_done("case") and "case" not in triton_gemm._PENDING
