@@ -62,7 +62,7 @@ def cutlass_sources(M, K, N):
     out = []
     for text in (PLAIN, GELU_RES):
         ep = Epilogue.from_json(text)
-        bcast = {n["operand"]: n["bcast"] for n in ep.nodes if n["op"] == "load"}
+        bcast = ep.broadcasts()
         out += [cutlass_gemm.render(ep, torch.bfloat16, [torch.bfloat16] * len(bcast), bcast, True, c)
                 for c in cutlass_gemm.LARGE + EXTRA]
     return out

@@ -120,7 +120,8 @@ def unsupported(ep: Epilogue, a2: torch.Tensor, bs, ops, b_transposed: bool, bca
 
 
 def _lines(ep: Epilogue, need: set[int], preset: dict[int, str]) -> list[str]:
-    """C++ for the nodes in `need`, in order; a node in `preset` takes that parameter's value."""
+    """C++ for the nodes in `need`, in order; a load reads its operand's parameter op<j>, a node in
+    `preset` (an extra output's value) that parameter's value."""
     lines = []
     for i, n in enumerate(ep.nodes):
         op = n["op"]
@@ -130,6 +131,8 @@ def _lines(ep: Epilogue, need: set[int], preset: dict[int, str]) -> list[str]:
             expr = preset[i]
         elif op == "acc":
             expr = "acc"
+        elif op == "load":
+            expr = f"op{n['operand']}"
         elif op == "const":
             expr = f"{float(n['value'])!r}f".replace("inff", "INFINITY")
         else:
@@ -190,7 +193,7 @@ def render(ep: Epilogue, dtype: torch.dtype, op_dtypes: list[torch.dtype], bcast
         need = _needed(ep, o, set())
         kids = _children(ep, need, op_dtypes)
         chains.append(dict(what=f"output {k} (IR node {o})", params=["acc", *[f"op{j}" for j, _, _ in kids]],
-                           lines=_lines(ep, need, {i: f"op{ep.nodes[i]['operand']}" for i in need if ep.nodes[i]["op"] == "load"}),
+                           lines=_lines(ep, need, {}),
                            result=f"v{o}"))
         compute = f"Sm90EVT<Sm90Compute<ChainFn{k}, float, float, kRound>, Sm90AccFetch{''.join(', ' + t for _, t, _ in kids)}>"
         subtrees.append((f"out{k}", f"Sm90EVT<Sm90AuxStore<0, void, {el}, kRound, cutlass::layout::RowMajor, void, void>, {compute}>",
@@ -198,8 +201,7 @@ def render(ep: Epilogue, dtype: torch.dtype, op_dtypes: list[torch.dtype], bcast
     final = ep.outputs[0]
     need = _needed(ep, final, set(extra) - {final})
     kids = _children(ep, need, op_dtypes)
-    preset = {i: f"op{ep.nodes[i]['operand']}" for i in need if ep.nodes[i]["op"] == "load"}
-    preset.update({o: f"out{k}" for o, k in extra.items() if o in need and o != final})
+    preset = {o: f"out{k}" for o, k in extra.items() if o in need and o != final}
     chains[0] = dict(what="the op's first output", params=["acc", *[f"op{j}" for j, _, _ in kids], *[p for p, _, _ in subtrees]],
                      lines=_lines(ep, need, preset), result=f"v{final}")
     fusion_type = (f"Sm90EVT<Sm90Compute<ChainFn0, ElementOut, float, kRound>, Sm90AccFetch"

@@ -117,7 +117,7 @@ class _Case:
         self.b_strides = (s1, s0) if b_transposed else (s0, s1)
         self.bs = bs
         self.out_shape = (*a.shape[:-1], self.N)
-        bcast = self.bcast = {n["operand"]: n["bcast"] for n in self.ep.nodes if n["op"] == "load"}
+        bcast = self.bcast = self.ep.broadcasts()
         self.ops, self.op_strides = [], []
         for j, t in enumerate(operands):
             kind = bcast.get(j)  # None: an operand the epilogue never reads
@@ -323,7 +323,8 @@ def choose(case: _Case, reference_fn, make_case) -> tuple[tuple | None, list]:
     if cache.interpreting():
         return INTERPRETER, []
     cands = [c for c in candidates(case.M, case.ep.num_accs, case.dtype, case.N) if case.usable(c)]
-    cut = cutlass_candidates(case)
+    cut_note: list = []
+    cut = cutlass_candidates(case, cut_note)
     key = case.tuning_key()
     valid_cfg = lambda v: v is None or (isinstance(v, list) and tuple(v) in cands + cut)  # noqa: E731 - unknown config: retune
 
@@ -338,8 +339,7 @@ def choose(case: _Case, reference_fn, make_case) -> tuple[tuple | None, list]:
                 and not (e.get("pending") and _resolved(case, e["pending"])))
 
     def tune():
-        timings = []
-        cutlass_candidates(case, timings)  # records why CUTLASS is out, if it is
+        timings = list(cut_note)  # why CUTLASS is out, if it is
         if cut and cutlass_mode() == "wait":
             cutlass_gemm.build_all([case.cutlass_source(c) for c in cut], f"{case.kernel_name} M{case.M}")
         pending = [c for c in cut if not _resolved(case, [c])]
@@ -396,10 +396,12 @@ def settle(timeout_s: float = cutlass_gemm.BUILD_TIMEOUT_S) -> int:
     t0 = time.monotonic()
     for key in keys:
         for src in _PENDING[key][1]:
-            while cutlass_gemm.state(*src) in ("building", "absent") and time.monotonic() - t0 < timeout_s:
-                if cutlass_gemm.state(*src) == "absent":
+            st = cutlass_gemm.state(*src)
+            while st in ("building", "absent") and time.monotonic() - t0 < timeout_s:
+                if st == "absent":
                     cutlass_gemm.start_build(*src)
                 time.sleep(0.5)
+                st = cutlass_gemm.state(*src)
         _PENDING[key] = (0.0, _PENDING[key][1])  # polled at the next call
     return len(keys)
 

@@ -60,7 +60,7 @@ def sources():
     out = []
     for text, kinds, dtype, transposed, cfgs in CASES:
         ep = Epilogue.from_json(text)
-        bcast = {n["operand"]: n["bcast"] for n in ep.nodes if n["op"] == "load"}
+        bcast = ep.broadcasts()
         op_dtypes = [d or dtype for _, d in kinds]
         out += [cutlass_gemm.render(ep, dtype, op_dtypes, bcast, transposed, cfg) for cfg in cfgs]
     return out

@@ -58,6 +58,10 @@ class Epilogue:
     def num_accs(self) -> int:
         return 1 + max(n["index"] for n in self.nodes if n["op"] == "acc")
 
+    def broadcasts(self) -> dict[int, str]:
+        """operand index -> how the chain reads it (full, row, col or scalar)."""
+        return {n["operand"]: n["bcast"] for n in self.nodes if n["op"] == "load"}
+
     def validate(self) -> None:
         for i, n in enumerate(self.nodes):
             op = n["op"]
