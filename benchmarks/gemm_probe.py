@@ -3,8 +3,11 @@ shape against cuBLAS alone and the ATen composition, and profile a training step
 
     python benchmarks/gemm_probe.py configs M K N      # e.g. 16384 4096 16384, or 128 4096 16384
     python benchmarks/gemm_probe.py train [eager] [xaccel] [xaccel-nobwd] [inductor]   # top CUDA kernels of a 4-layer MLP train step
-    python benchmarks/gemm_probe.py cutlass M K N      # CUTLASS configs (LARGE + EXTRA), plain and with the chain,
-                                                       # against cuBLAS, in do_bench and back to back, two rounds; cuBLAS's kernel name
+    python benchmarks/gemm_probe.py cutlass M K N      # CUTLASS configs (LARGE + EXTRA; SMALL for M <= 256), plain and
+                                                       # with the chain, against cuBLAS, in do_bench and back to back
+                                                       # (M <= 256: GPU time and a graph replay in do_bench, as the
+                                                       # bench times decode, beside the best Triton config and a
+                                                       # W-reading floor), two rounds; cuBLAS's kernel name
 
 xaccel-nobwd: xaccel with XACCEL_BACKWARD_FUSION=0 (the backward as aot_autograd traced it), for an
 A/B of the backward graph's fused GEMM chains in one process.
@@ -55,6 +58,12 @@ EXTRA = [("cutlass", 256, 128, 64, 2, 1, 8, 0), ("cutlass_pp", 128, 128, 64, 1, 
          ("cutlass_pp", 128, 128, 64, 2, 1, 4, 2), ("cutlass_pp", 128, 128, 64, 2, 1, 8, 2)]
 
 
+def cutlass_configs(M):
+    from torch_xaccel.codegen import cutlass_gemm
+
+    return cutlass_gemm.SMALL if M <= triton_gemm.SMALL_M_ROWS else cutlass_gemm.LARGE + EXTRA
+
+
 def cutlass_sources(M, K, N):
     """(name, source) of every kernel `cutlass` times: build them ahead with cutlass_gemm.build_all."""
     from torch_xaccel.codegen import cutlass_gemm
@@ -64,7 +73,7 @@ def cutlass_sources(M, K, N):
         ep = Epilogue.from_json(text)
         bcast = ep.broadcasts()
         out += [cutlass_gemm.render(ep, torch.bfloat16, [torch.bfloat16] * len(bcast), bcast, True, c)
-                for c in cutlass_gemm.LARGE + EXTRA]
+                for c in cutlass_configs(M)]
     return out
 
 
@@ -82,15 +91,26 @@ def cutlass(M, K, N):
         x @ w.t()
         torch.cuda.synchronize()
     print("cuBLAS kernel:", [e.key for e in prof.key_averages()][:3])
+    small = M <= triton_gemm.SMALL_M_ROWS
     runs = {"cuBLAS alone": lambda: x @ w.t()}
+    if small:  # one row of x: cuBLAS reads W once and does next to nothing else
+        x1 = x[:1].contiguous()
+        runs["floor: cuBLAS M1 (reads W once)"] = lambda: x1 @ w.t()
+        runs["ATen composition"] = lambda: reference(x, [w], ops, GELU_RES, True)
     for text, label in ((PLAIN, "plain"), (GELU_RES, "chain")):
         case = triton_gemm._Case(x, [w], ops if text == GELU_RES else [], text, True)
         outs = case.new_outputs()
-        for cfg in cutlass_gemm.LARGE + EXTRA:
+        for cfg in cutlass_configs(M) + ([("ptr", 64, 128, 64, 8, 4, 4, 0)] if small and text == GELU_RES else []):
             runs[f"{label} {cfg}"] = lambda case=case, cfg=cfg, outs=outs: case.launch(cfg, outs)
+    if small:
+        from torch_xaccel.bench import _graphed
     for rnd in range(2):
         for name, fn in runs.items():
             try:
+                if small:  # as the bench times decode: a CUDA-graph replay in do_bench (L2 flushed), and GPU time
+                    a, b = bench(_graphed(fn)), triton_gemm._gpu_ms(fn)
+                    print(f"  [{rnd}] {name:52s} graph replay {a:.4f} ms  GPU time {b:.4f} ({K * N * 2 / b / 1e9:.0f} GB/s of W)", flush=True)
+                    continue
                 a, b = bench(fn), triton_gemm._gpu_ms(fn)
                 print(f"  [{rnd}] {name:52s} do_bench {a:.4f} ms ({flop / a / 1e9:.0f} TFLOP/s)  back to back {b:.4f}", flush=True)
             except Exception as e:  # noqa: BLE001

@@ -62,7 +62,15 @@ assert set(_UNARY) == set(UNARY) and set(_GRAD) == set(GRAD)
 LARGE = [("cutlass", 128, 256, 64, 2, 1, 8, 0), ("cutlass", 128, 256, 64, 2, 1, 1, 0),
          ("cutlass", 256, 128, 64, 1, 2, 8, 0), ("cutlass_pp", 128, 128, 64, 2, 1, 8, 0),
          ("cutlass_pp", 128, 128, 64, 1, 2, 8, 0)]
-VARIANTS = ("cutlass", "cutlass_pp")
+# Decode-sized M (64 < M <= 256): one or two rows of tiles, so the time is reading B once. Clusters
+# multicast the tile every CTA of the cluster reads: 1x2 shares x's rows, 2x1 with 64-row tiles
+# shares the weight tile between the two row tiles. cutlass_sk: the cooperative schedule with
+# stream-K, which spreads 128 tiles' K loops over all 132 SMs (partial sums in the workspace).
+SMALL = [("cutlass", 128, 128, 64, 1, 2, 1, 0), ("cutlass", 128, 128, 128, 1, 2, 1, 0),
+         ("cutlass_pp", 64, 128, 128, 2, 1, 1, 0), ("cutlass_pp", 64, 256, 64, 2, 1, 1, 0),
+         ("cutlass", 128, 64, 128, 1, 2, 1, 0), ("cutlass_sk", 128, 128, 64, 1, 1, 1, 0)]
+SMALL_MIN_M = 64  # at most this many rows (decode steps' M1/M8 GEMMs): no CUTLASS candidates
+VARIANTS = ("cutlass", "cutlass_pp", "cutlass_sk")
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,6 +98,12 @@ def unsupported(ep: Epilogue, a2: torch.Tensor, bs, ops, b_transposed: bool, bca
     operands reshaped as codegen/triton_gemm._Case does (full [M, N], row [N], col [M], scalar [1])."""
     if a2.device.type != "cuda" or torch.cuda.get_device_capability(a2.device) != (9, 0):
         return "CUTLASS kernels are built for sm_90a (H100/H200)"
+    return layout_unsupported(ep, a2, bs, ops, b_transposed, bcast)
+
+
+def layout_unsupported(ep: Epilogue, a2: torch.Tensor, bs, ops, b_transposed: bool, bcast: dict) -> str | None:
+    """unsupported() without the device check: whether the call's dtypes, sizes and strides fit
+    (benchmarks/cutlass_prebuild.py asks it on a machine without the GPU)."""
     if a2.dtype not in (torch.float16, torch.bfloat16):
         return f"{a2.dtype} (fp16/bf16 only)"
     if len(bs) != 1:
@@ -215,7 +229,8 @@ def render(ep: Epilogue, dtype: torch.dtype, op_dtypes: list[torch.dtype], bcast
         kernel_name=name, description=ep.describe(), epilogue_json=ep.to_json(), element=el,
         element_c=_ELEMENT[op_dtypes[full]] if full is not None else "void", full_operand=full, chains=chains,
         fusion_type=fusion_type, fusion_args=fusion_args, bm=bm, bn=bn, bk=bk, cm=cm, cn=cn,
-        schedule="cooperative" if variant == "cutlass" else "pingpong", b_transposed=b_transposed,
+        schedule="pingpong" if variant == "cutlass_pp" else "cooperative", stream_k=variant == "cutlass_sk",
+        b_transposed=b_transposed,
         n_operands_or_one=max(1, len(op_dtypes)), n_outputs=len(ep.outputs))
     return name, src
 

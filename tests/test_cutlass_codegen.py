@@ -49,6 +49,17 @@ def test_render_reads_a_full_operand_as_the_c_matrix():
     assert other != name  # tile and schedule are part of the name
 
 
+def test_only_the_stream_k_variant_renders_the_stream_k_scheduler():
+    sk = next(c for c in cutlass_gemm.SMALL if c[0] == "cutlass_sk")
+    name, src = cutlass_gemm.render(GELU_RES, torch.bfloat16, BF16, {0: "row", 1: "full"}, True, sk)
+    assert name.startswith("gemm_epilogue_1x_cutlass_sk_")
+    assert "cutlass::gemm::StreamKScheduler>" in src and "DecompositionMode::StreamK" in src
+    assert "KernelTmaWarpSpecializedCooperative" in src  # stream-K runs the cooperative schedule
+    for cfg in cutlass_gemm.LARGE + [c for c in cutlass_gemm.SMALL if c[0] != "cutlass_sk"]:
+        _, other = cutlass_gemm.render(GELU_RES, torch.bfloat16, BF16, {0: "row", 1: "full"}, True, cfg)
+        assert "cutlass::gemm::PersistentScheduler>" in other and "StreamK" not in other
+
+
 def test_an_extra_output_is_stored_by_its_own_chain_and_read_by_the_final_one():
     """outputs (gelu, pre-activation), as a training forward asks: ChainFn1 computes acc + bias
     under an auxiliary store; the final chain takes that value instead of adding the bias again."""

@@ -46,6 +46,7 @@ def _operands(kinds, dtype):
 
 CASES = [  # (epilogue, operand kinds and dtypes (None: the input dtype), input dtype, B transposed, configs)
     (GELU_RES, [("row", None), ("full", None)], torch.bfloat16, True, cutlass_gemm.LARGE),
+    (GELU_RES, [("row", None), ("full", None)], torch.bfloat16, True, cutlass_gemm.SMALL),  # stream-K included
     (GELU_RES_SAVED, [("row", None), ("full", None)], torch.float16, True, cutlass_gemm.LARGE[:1]),
     (BIAS_GELU_SAVED, [("row", None)], torch.bfloat16, True, cutlass_gemm.LARGE[:1]),
     (SILU_COL_SCALAR, [("col", None), ("scalar", torch.float32)], torch.bfloat16, False, cutlass_gemm.LARGE[:1]),
@@ -104,6 +105,18 @@ def test_unaligned_rows_are_left_to_triton():
     c = triton_gemm._Case(a, [b], [torch.rand(256, device="cuda")], RELU_FP32_BIAS, True)
     assert "16-byte" in c.cutlass_reason
     assert triton_gemm.cutlass_candidates(c) == []
+
+
+def test_decode_sized_m_gets_the_small_configs_and_decode_steps_none():
+    from torch_xaccel.codegen import triton_gemm
+
+    def cands(m):
+        a = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+        return triton_gemm.cutlass_candidates(triton_gemm._Case(a, [b], [torch.rand(512, device="cuda")], RELU_FP32_BIAS, True))
+    assert cands(cutlass_gemm.SMALL_MIN_M) == []
+    assert cands(cutlass_gemm.SMALL_MIN_M + 8) == cands(triton_gemm.SMALL_M_ROWS) == cutlass_gemm.SMALL
+    assert cands(triton_gemm.SMALL_M_ROWS + 8) == cutlass_gemm.LARGE
 
 
 def _tune_entry(monkeypatch, mode, shape):

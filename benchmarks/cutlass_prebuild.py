@@ -1,0 +1,77 @@
+"""Build, on a machine without the GPU, the CUTLASS kernels that a GPU run of the whole-model bench
+will time, so that the device's time goes to timing and not to nvcc (each build takes 50-80 s;
+the xLSTMLarge train step needs dozens of them).
+
+A kernel's source depends on the epilogue, the dtypes, the operands' broadcasts and the B layout,
+not on M, N or K. So the model compiles and runs once here on the CPU, in bf16, at its real widths
+(one block, 320 tokens), with XACCEL_BACKWARD_FUSION=1 as on an H200; every gemm_epilogue
+call that CUTLASS could serve on the GPU is recorded and its LARGE configs are built into the cache
+(XACCEL_CACHE_DIR; carry the `cutlass/` folder to the device). nvcc must match the device's. The
+vocabulary is cut to 1024 (the LM head's chain does not depend on it; CPU bf16 GEMMs at 50304 take
+minutes each).
+
+    XACCEL_CACHE_DIR=.xcache python benchmarks/cutlass_prebuild.py [prefill] [train]
+"""
+import os
+import sys
+
+import torch
+
+os.environ.setdefault("XACCEL_BACKWARD_FUSION", "1")  # as on an sm_90 GPU with CUTLASS (config.backward_fusion)
+
+from torch_xaccel.codegen import cutlass_gemm, triton_gemm  # noqa: E402
+from torch_xaccel.ops import gemm_epilogue  # noqa: E402
+
+
+def record_cases(jobs: dict, stats: dict):
+    """Wrap the op's reference so each call adds its CUTLASS sources to jobs (name -> source)."""
+    original = gemm_epilogue.reference
+
+    def recording(a, bs, operands, epilogue, b_transposed):
+        case = triton_gemm._Case(a, bs, operands, epilogue, b_transposed)
+        why = cutlass_gemm.layout_unsupported(case.ep, case.a2, case.bs, case.ops, b_transposed, case.bcast)
+        if case.M <= triton_gemm.SMALL_M_ROWS or why:
+            stats[why or "decode-sized"] = stats.get(why or "decode-sized", 0) + 1
+        else:
+            for cfg in cutlass_gemm.LARGE:
+                name, src = case.cutlass_source(cfg)
+                jobs[name] = src
+        return original(a, bs, operands, epilogue, b_transposed)
+
+    gemm_epilogue.reference = recording
+
+
+def run_model(modes):
+    from xlstm.xlstm_large.model import xLSTMLarge, xLSTMLargeConfig
+
+    tokens = torch.randint(0, 1024, (1, 320))  # M = 320: above the decode-sized rows
+    for mode in modes:
+        cfg = xLSTMLargeConfig(vocab_size=1024, chunk_size=64, mode="train" if mode == "train" else "inference",
+                               return_last_states=mode == "train", embedding_dim=4096, num_heads=8, num_blocks=1,
+                               chunkwise_kernel="chunkwise--native_autograd", sequence_kernel="native_sequence__native",
+                               step_kernel="native")
+        torch.manual_seed(0)
+        model = xLSTMLarge(cfg).to(torch.bfloat16)
+        torch._dynamo.reset()
+        fn = torch.compile(model, backend="xaccel")
+        if mode == "train":
+            logits = fn(tokens)[0]
+            torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+        else:
+            with torch.inference_mode():
+                fn(tokens)
+
+
+def main():
+    modes = [m for m in sys.argv[1:]] or ["prefill", "train"]
+    jobs, stats = {}, {}
+    record_cases(jobs, stats)
+    run_model(modes)
+    print(f"{len(jobs)} CUTLASS kernels for {modes}; calls CUTLASS cannot serve: {stats or 'none'}", flush=True)
+    cutlass_gemm.build_all(list(jobs.items()), "prebuild")
+    failed = [n for n, s in jobs.items() if cutlass_gemm.state(n, s) != "built"]
+    print(f"built {len(jobs) - len(failed)}; not built: {failed or 'none'}")
+
+
+if __name__ == "__main__":
+    main()
