@@ -62,15 +62,16 @@ assert set(_UNARY) == set(UNARY) and set(_GRAD) == set(GRAD)
 LARGE = [("cutlass", 128, 256, 64, 2, 1, 8, 0), ("cutlass", 128, 256, 64, 2, 1, 1, 0),
          ("cutlass", 256, 128, 64, 1, 2, 8, 0), ("cutlass_pp", 128, 128, 64, 2, 1, 8, 0),
          ("cutlass_pp", 128, 128, 64, 1, 2, 8, 0)]
-# Decode-sized M (64 < M <= 256): one or two rows of tiles, so the time is reading B once. Clusters
-# multicast the tile every CTA of the cluster reads: 1x2 shares x's rows, 2x1 with 64-row tiles
-# shares the weight tile between the two row tiles. cutlass_sk: the cooperative schedule with
-# stream-K, which spreads 128 tiles' K loops over all 132 SMs (partial sums in the workspace).
+# Decode-sized M (64 < M <= 256): one or two rows of tiles, so the time is reading B once. A 1x2
+# cluster multicasts x's tile to both CTAs; a 2x1 cluster of 64-row tiles shares the weight tile.
+# Measured at M128 K4096 N16384 (H200, eleventh session, GPU time with the gelu+residual chain):
+# these three 0.0405-0.0414 ms against 0.0419 for the best Triton config and 0.0386 for cuBLAS
+# without the chain; 64x128x128 ping-pong 0.0427, 128x64x128 0.0447 and a stream-K schedule
+# (128 tiles' K loops spread over 132 SMs) 0.0479 lost and were dropped.
 SMALL = [("cutlass", 128, 128, 64, 1, 2, 1, 0), ("cutlass", 128, 128, 128, 1, 2, 1, 0),
-         ("cutlass_pp", 64, 128, 128, 2, 1, 1, 0), ("cutlass_pp", 64, 256, 64, 2, 1, 1, 0),
-         ("cutlass", 128, 64, 128, 1, 2, 1, 0), ("cutlass_sk", 128, 128, 64, 1, 1, 1, 0)]
+         ("cutlass_pp", 64, 256, 64, 2, 1, 1, 0)]
 SMALL_MIN_M = 64  # at most this many rows (decode steps' M1/M8 GEMMs): no CUTLASS candidates
-VARIANTS = ("cutlass", "cutlass_pp", "cutlass_sk")
+VARIANTS = ("cutlass", "cutlass_pp")
 
 
 @functools.lru_cache(maxsize=None)
@@ -229,8 +230,7 @@ def render(ep: Epilogue, dtype: torch.dtype, op_dtypes: list[torch.dtype], bcast
         kernel_name=name, description=ep.describe(), epilogue_json=ep.to_json(), element=el,
         element_c=_ELEMENT[op_dtypes[full]] if full is not None else "void", full_operand=full, chains=chains,
         fusion_type=fusion_type, fusion_args=fusion_args, bm=bm, bn=bn, bk=bk, cm=cm, cn=cn,
-        schedule="pingpong" if variant == "cutlass_pp" else "cooperative", stream_k=variant == "cutlass_sk",
-        b_transposed=b_transposed,
+        schedule="cooperative" if variant == "cutlass" else "pingpong", b_transposed=b_transposed,
         n_operands_or_one=max(1, len(op_dtypes)), n_outputs=len(ep.outputs))
     return name, src
 

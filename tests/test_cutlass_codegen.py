@@ -49,17 +49,6 @@ def test_render_reads_a_full_operand_as_the_c_matrix():
     assert other != name  # tile and schedule are part of the name
 
 
-def test_only_the_stream_k_variant_renders_the_stream_k_scheduler():
-    sk = next(c for c in cutlass_gemm.SMALL if c[0] == "cutlass_sk")
-    name, src = cutlass_gemm.render(GELU_RES, torch.bfloat16, BF16, {0: "row", 1: "full"}, True, sk)
-    assert name.startswith("gemm_epilogue_1x_cutlass_sk_")
-    assert "cutlass::gemm::StreamKScheduler>" in src and "DecompositionMode::StreamK" in src
-    assert "KernelTmaWarpSpecializedCooperative" in src  # stream-K runs the cooperative schedule
-    for cfg in cutlass_gemm.LARGE + [c for c in cutlass_gemm.SMALL if c[0] != "cutlass_sk"]:
-        _, other = cutlass_gemm.render(GELU_RES, torch.bfloat16, BF16, {0: "row", 1: "full"}, True, cfg)
-        assert "cutlass::gemm::PersistentScheduler>" in other and "StreamK" not in other
-
-
 def test_an_extra_output_is_stored_by_its_own_chain_and_read_by_the_final_one():
     """outputs (gelu, pre-activation), as a training forward asks: ChainFn1 computes acc + bias
     under an auxiliary store; the final chain takes that value instead of adding the bias again."""
@@ -139,3 +128,43 @@ def test_settle_waits_for_background_builds_then_the_next_call_retunes(monkeypat
     assert triton_gemm.settle() == 1
     assert next(states, "done") == "done"  # it waited through every "building"
     assert triton_gemm._pending_done("case") and "case" not in triton_gemm._PENDING
+
+
+def test_prebuild_records_the_kernels_tuning_would_time_on_an_h200():
+    """benchmarks/cutlass_prebuild.py runs a model on the CPU and collects, per gemm_epilogue call,
+    the sources the GPU's tuner would build: SMALL for 64 < M <= 256, LARGE above, none for
+    decode steps or calls CUTLASS cannot take (here a dual GEMM)."""
+    import importlib.util
+    import os
+
+    from torch_xaccel.codegen import triton_gemm
+    from torch_xaccel.ops import gemm_epilogue
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "cutlass_prebuild.py")
+    spec = importlib.util.spec_from_file_location("cutlass_prebuild", path)
+    prebuild = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prebuild)
+    jobs, stats = {}, {}
+    original = gemm_epilogue.reference
+    try:
+        prebuild.record_cases(jobs, stats)
+        w, bias = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
+        w1, w3 = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(64, 32, dtype=torch.bfloat16)
+        for m in (8, 128, 320):
+            x = torch.randn(m, 32, dtype=torch.bfloat16)
+            gemm_epilogue.run(x, [w], [bias], GELU_RES_ROW_ONLY, True)
+        x = torch.randn(320, 32, dtype=torch.bfloat16)
+        gemm_epilogue.run(x, [w1, w3], [], SWIGLU, True)
+    finally:
+        gemm_epilogue.reference = original
+    want = {}
+    for m, cfgs in ((128, cutlass_gemm.SMALL), (320, cutlass_gemm.LARGE)):
+        case = triton_gemm._Case(torch.randn(m, 32, dtype=torch.bfloat16), [w], [bias], GELU_RES_ROW_ONLY, True)
+        want.update(case.cutlass_source(c) for c in cfgs)
+    assert jobs == want
+    assert stats == {"decode step": 1, "dual GEMMs run as Triton kernels": 1}
+
+
+GELU_RES_ROW_ONLY = Epilogue(GELU_RES.nodes[:4], (3,)).to_json()  # bias + gelu_tanh
+SWIGLU = Epilogue(({"op": "acc", "index": 0}, {"op": "silu", "in": [0]}, {"op": "acc", "index": 1},
+                   {"op": "mul", "in": [1, 2]}), (3,)).to_json()

@@ -46,7 +46,7 @@ def _operands(kinds, dtype):
 
 CASES = [  # (epilogue, operand kinds and dtypes (None: the input dtype), input dtype, B transposed, configs)
     (GELU_RES, [("row", None), ("full", None)], torch.bfloat16, True, cutlass_gemm.LARGE),
-    (GELU_RES, [("row", None), ("full", None)], torch.bfloat16, True, cutlass_gemm.SMALL),  # stream-K included
+    (GELU_RES, [("row", None), ("full", None)], torch.bfloat16, True, cutlass_gemm.SMALL),
     (GELU_RES_SAVED, [("row", None), ("full", None)], torch.float16, True, cutlass_gemm.LARGE[:1]),
     (BIAS_GELU_SAVED, [("row", None)], torch.bfloat16, True, cutlass_gemm.LARGE[:1]),
     (SILU_COL_SCALAR, [("col", None), ("scalar", torch.float32)], torch.bfloat16, False, cutlass_gemm.LARGE[:1]),
