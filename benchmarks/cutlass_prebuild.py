@@ -5,11 +5,10 @@ the xLSTMLarge train step needs dozens of them).
 A kernel's source depends on the epilogue, the dtypes, the operands' broadcasts and the B layout,
 not on M, N or K. So the model compiles and runs once here on the CPU, in bf16, at its real widths
 (one block, 320 tokens), with XACCEL_BACKWARD_FUSION=1 as on an H200; every gemm_epilogue
-call that CUTLASS could serve on the GPU is recorded and its configs (LARGE, or SMALL for up to
-256 rows) are built into the cache
-(XACCEL_CACHE_DIR; carry the `cutlass/` folder to the device). nvcc must match the device's. The
-vocabulary is cut to 1024 (the LM head's chain does not depend on it; CPU bf16 GEMMs at 50304 take
-minutes each).
+call that CUTLASS could serve on the GPU is recorded and its configs (triton_gemm.cutlass_configs)
+are built into the cache (XACCEL_CACHE_DIR; carry the `cutlass/` folder to the device). nvcc must
+match the device's. The vocabulary is cut to 1024 (the LM head's chain does not depend on it; CPU
+bf16 GEMMs at 50304 take minutes each).
 
     XACCEL_CACHE_DIR=.xcache python benchmarks/cutlass_prebuild.py [prefill] [train]
 """
@@ -29,12 +28,11 @@ def record_cases(jobs: dict, stats: dict):
     def recording(a, bs, operands, epilogue, b_transposed):
         case = triton_gemm._Case(a, bs, operands, epilogue, b_transposed)
         why = cutlass_gemm.layout_unsupported(case.ep, case.a2, case.bs, case.ops, b_transposed, case.bcast)
-        if case.M <= cutlass_gemm.SMALL_MIN_M or why:  # as triton_gemm.cutlass_candidates rules
+        cfgs = triton_gemm.cutlass_configs(case.M)
+        if not cfgs or why:
             stats[why or "decode step"] = stats.get(why or "decode step", 0) + 1
         else:
-            for cfg in cutlass_gemm.SMALL if case.M <= triton_gemm.SMALL_M_ROWS else cutlass_gemm.LARGE:
-                name, src = case.cutlass_source(cfg)
-                jobs[name] = src
+            jobs.update(case.cutlass_source(cfg) for cfg in cfgs)
         return original(a, bs, operands, epilogue, b_transposed)
 
     gemm_epilogue.reference = recording
@@ -63,7 +61,7 @@ def run_model(modes):
 
 def main():
     os.environ.setdefault("XACCEL_BACKWARD_FUSION", "1")  # as on an sm_90 GPU with CUTLASS (config.backward_fusion)
-    modes = [m for m in sys.argv[1:]] or ["prefill", "train"]
+    modes = sys.argv[1:] or ["prefill", "train"]
     jobs, stats = {}, {}
     record_cases(jobs, stats)
     run_model(modes)

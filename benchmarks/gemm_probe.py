@@ -59,9 +59,8 @@ EXTRA = [("cutlass", 256, 128, 64, 2, 1, 8, 0), ("cutlass_pp", 128, 128, 64, 1, 
 
 
 def cutlass_configs(M):
-    from torch_xaccel.codegen import cutlass_gemm
-
-    return cutlass_gemm.SMALL if M <= triton_gemm.SMALL_M_ROWS else cutlass_gemm.LARGE + EXTRA
+    """What tuning times at M (M > 64), and EXTRA above the decode-sized rows."""
+    return triton_gemm.cutlass_configs(M) + (EXTRA if M > triton_gemm.SMALL_M_ROWS else [])
 
 
 def cutlass_sources(M, K, N):

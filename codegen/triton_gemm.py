@@ -294,12 +294,19 @@ def _gpu_ms(fn, calls: int = 20, rounds: int = 3) -> float:
     return sorted(results)[len(results) // 2]
 
 
+def cutlass_configs(m: int) -> list[tuple]:
+    """The CUTLASS configs for m rows: none for decode steps (m <= cutlass_gemm.SMALL_MIN_M, the
+    Triton configs serve those), cutlass_gemm.SMALL up to SMALL_M_ROWS, LARGE above."""
+    if m <= cutlass_gemm.SMALL_MIN_M:
+        return []
+    return list(cutlass_gemm.SMALL if m <= SMALL_M_ROWS else cutlass_gemm.LARGE)
+
+
 def cutlass_candidates(case: _Case, timings: list | None = None) -> list[tuple]:
-    """The CUTLASS configs a case may time: cutlass_gemm.SMALL up to SMALL_M_ROWS rows, LARGE above;
-    none with XACCEL_CUTLASS=0, for M <= cutlass_gemm.SMALL_MIN_M (decode steps: the Triton
-    configs serve those), or where the case or this machine rules them out (the reason then goes
-    into `timings`, the tuning entry's report)."""
-    if cutlass_mode() == "0" or case.M <= cutlass_gemm.SMALL_MIN_M or not case.a2.is_cuda or cache.interpreting():
+    """The CUTLASS configs a case may time: cutlass_configs(M), unless XACCEL_CUTLASS=0 or the
+    case or this machine rules them out (the reason then goes into `timings`, the tuning entry's
+    report)."""
+    if cutlass_mode() == "0" or not cutlass_configs(case.M) or not case.a2.is_cuda or cache.interpreting():
         return []
     why = case.cutlass_reason
     tools = cutlass_gemm.toolchain()
@@ -308,7 +315,7 @@ def cutlass_candidates(case: _Case, timings: list | None = None) -> list[tuple]:
         if timings is not None:
             timings.append(["cutlass", None, why])
         return []
-    return list(cutlass_gemm.SMALL if case.M <= SMALL_M_ROWS else cutlass_gemm.LARGE)
+    return cutlass_configs(case.M)
 
 
 def _resolved(case: _Case, cfgs) -> bool:

@@ -12,6 +12,9 @@ from torch_xaccel.epilogue_ir import GRAD, UNARY, Epilogue
 GELU_RES = Epilogue(({"op": "acc", "index": 0}, {"op": "load", "operand": 0, "bcast": "row"}, {"op": "add", "in": [0, 1]},
                      {"op": "gelu_tanh", "in": [2]}, {"op": "load", "operand": 1, "bcast": "full"},
                      {"op": "add", "in": [3, 4]}), (5,))
+GELU_RES_ROW_ONLY = Epilogue(GELU_RES.nodes[:4], (3,)).to_json()  # bias + gelu_tanh
+SWIGLU = Epilogue(({"op": "acc", "index": 0}, {"op": "silu", "in": [0]}, {"op": "acc", "index": 1},
+                   {"op": "mul", "in": [1, 2]}), (3,)).to_json()
 BF16 = [torch.bfloat16, torch.bfloat16]
 needs_toolchain = pytest.mark.skipif(isinstance(cutlass_gemm.toolchain(), str),
                                      reason=f"CUTLASS toolchain: {cutlass_gemm.toolchain()}")
@@ -164,7 +167,3 @@ def test_prebuild_records_the_kernels_tuning_would_time_on_an_h200():
     assert jobs == want
     assert stats == {"decode step": 1, "dual GEMMs run as Triton kernels": 1}
 
-
-GELU_RES_ROW_ONLY = Epilogue(GELU_RES.nodes[:4], (3,)).to_json()  # bias + gelu_tanh
-SWIGLU = Epilogue(({"op": "acc", "index": 0}, {"op": "silu", "in": [0]}, {"op": "acc", "index": 1},
-                   {"op": "mul", "in": [1, 2]}), (3,)).to_json()
