@@ -1,7 +1,7 @@
 """Time the generated mLSTM kernels over tile configurations on the GPU (bf16), to pick the
 defaults in codegen/triton_mlstm.py:
 
-    python benchmarks/mlstm_sweep.py [--quick] [--sliced] [--profile] [--scan-ab]
+    python benchmarks/mlstm_sweep.py [--quick] [--sliced] [--profile] [--scan-ab] [--bwd-kept]
 
 Each line: shape, phase, config, median ms, and the relative error of h (forward) or dq
 (backward) against the default config, so a config that breaks the math cannot win.
@@ -136,6 +136,35 @@ def scan_ab(shape, only=()):
         print(f"{shape} {flag} True vs False, first five outputs: {errs}", flush=True)
 
 
+def backward_kept(shape, cfgs):
+    """The backward from the forward's kept chunk states (what a training graph runs) at each
+    config: median ms, the kernels' times, and every input gradient's difference from the first
+    config's (bf16: a few 1e-3 between right configs)."""
+    x = _inputs(*shape)
+    h, C, n, m, *kept = tm.forward(None, *x, None, None, None, 1e-6, 64, keep_chunk_states=True)
+    dh = torch.randn_like(h)
+    states = [*kept, C, n, m]
+    ref = None
+    for cfg in cfgs:
+        tm.backward_config = lambda DK, DV, itemsize=2, c=cfg: dict(c)
+        run = lambda: tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h, states)  # noqa: E731
+        try:
+            got = run()
+            ref = ref or got
+            total, rows = kernel_times(run)
+            ms = triton.testing.do_bench(run, warmup=10, rep=50)
+            errs = " ".join(f"{_rel(a, b):.1e}" for a, b in zip(got[:5], ref[:5]))
+            print(f"{shape} bwd kept {cfg}: {ms:.3f} ms (kernels {total:.3f})  vs first: {errs}", flush=True)
+            for kms, k, key in rows[:7]:
+                print(f"{shape}   {kms:8.3f} ms x{k:<3d} {key[:90]}", flush=True)
+        except Exception as e:  # noqa: BLE001 - a config that does not build is a finding
+            print(f"{shape} bwd kept {cfg}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+    tm.backward_config = _DEFAULT_BACKWARD
+
+
+_DEFAULT_BACKWARD = tm.backward_config
+
+
 def main():
     tm.TUNE = False
     ap = argparse.ArgumentParser()
@@ -145,6 +174,8 @@ def main():
                          " (tm.sliced_sweep_configs)")
     ap.add_argument("--profile", action="store_true", help="only the per-kernel profile at the default configs")
     ap.add_argument("--scan-ab", action="store_true", help="only the two scans with and without precomputed gate terms")
+    ap.add_argument("--bwd-kept", action="store_true",
+                    help="only the backward from kept chunk states, at every backward candidate and the scan variants")
     ap.add_argument("--ab", default="", help="with --scan-ab: only these flags (comma-separated, e.g. SAVED_ROWS)")
     args = ap.parse_args()
     print("defaults:", {s: (tm.forward_config(s[3], s[4]), tm.backward_config(s[3], s[4])) for s in SHAPES})
@@ -157,6 +188,10 @@ def main():
                dict(base_b, warps=4)]
         if args.profile:
             profile(shape)
+            continue
+        if args.bwd_kept:
+            scans = [dict(base_b, SW=8), dict(base_b, BK=min(DK, 32))]  # the scans at 8 warps, on narrower tiles
+            backward_kept(shape, tm.backward_candidates(DK, DV) + scans)
             continue
         if args.scan_ab:
             scan_ab(shape, [f for f in args.ab.split(",") if f])

@@ -87,11 +87,12 @@ def _fitted(cfgs, DK: int, DV: int) -> list[dict]:
 
 
 def _scan_warps(cfg: dict) -> int:
-    """Warps of the sequential state scans: at most 4. Scans at 8 warps (no register spills at
+    """Warps of the sequential state scans: at most 4 (SW, set only by benchmarks/mlstm_sweep.py,
+    overrides). Scans at 8 warps (no register spills at
     sm_90, against 584 B per program at 4) were timed on the H200 and lost at both head shapes:
     forward 1.56 vs 1.35 ms (128/128) and 2.50 vs 1.97 ms (256/512), backward 6.61 vs 5.52 and
     8.52 vs 6.59 ms."""
-    return min(cfg["warps"], 4)
+    return cfg.get("SW") or min(cfg["warps"], 4)
 
 
 WIDE_DK = 512  # from this DQK on, the [L, DQK] tiles need the smaller configs below
@@ -186,9 +187,17 @@ SPLIT3 = dict(L=64, BV=64, BK=64, BVS=128, warps=4, stages=2, DVS=64, DKS=128)
 # session: 4.22 / 6.14 against 4.06-4.11 / 5.89-6.00 ms for SPLIT3 and its DVS 128 variant).
 
 
+SPLIT2 = dict(L=64, BV=64, BK=64, BVS=128, warps=4, stages=2, DKS=128)
+# the backward in two per-chunk kernels: dv, the gates and dS in one program per chunk (mlstm_bwd
+# with split_dqdk, DV walked in BV tiles), then dq and dk per DKS-wide DK tile. Every backward
+# kernel is memory-bound on the H200; SPLIT3's dv kernel reads q and k once per DV tile and its
+# gates kernel reads q, k, v and dh again: this reads them once per chunk (at B8 NH16 S8192
+# 128/128, 120 KB per chunk against 216 KB; at the 7B heads 520 KB against 1160 KB).
+
+
 def backward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
     """Same keys, plus DVS (dv in its own kernel, one program per chunk and DVS-wide DV tile),
-    DKS (dq and dk in theirs, one program per chunk and DKS-wide DK tile; only with DVS) and DGV
+    DKS (dq and dk in theirs, one program per chunk and DKS-wide DK tile; without DVS, SPLIT2) and DGV
     (the forget term exp(g + m) <dC, C> in the dv kernel instead of the sequential state-gradient
     scan, which then reads no stored state; 3 % slower on the H200, kept for other GPUs; only
     with DVS). Below DQK 512 in bf16/fp16 the first is
@@ -203,7 +212,8 @@ def backward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
         base = dict(L=32, BV=64, BK=64, BVS=128, warps=8, stages=2)
         return _fitted((base, dict(base, L=16, warps=4)), DK, DV)
     base = dict(L=64, BV=32, BK=64, BVS=128, warps=8, stages=2)
-    split = [SPLIT3, dict(SPLIT3, DGV=1), dict(SPLIT3, DVS=128), dict(SPLIT3, DKS=64)] if itemsize <= 2 else []
+    split = [SPLIT3, dict(SPLIT3, DGV=1), dict(SPLIT3, DVS=128), dict(SPLIT3, DKS=64),
+             SPLIT2, dict(SPLIT2, warps=8), dict(SPLIT2, BV=32)] if itemsize <= 2 else []
     return _fitted(split + [base, dict(base, warps=4), dict(base, BV=64, DVS=64)], DK, DV)
 
 
@@ -571,9 +581,8 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
 
     from torch_xaccel.ops.mlstm_backward import _route_max_grad
 
-    for key in ("DKS", "DGV"):
-        if cfg.get(key) and not cfg.get("DVS"):
-            raise ValueError(f"mLSTM backward config {cfg}: {key} needs DVS (dv split off)")
+    if cfg.get("DGV") and not cfg.get("DVS"):
+        raise ValueError(f"mLSTM backward config {cfg}: DGV needs DVS (dv split off)")
     B, H, S, DK = q.shape
     DV = v.shape[-1]
     dev, f32 = q.device, torch.float32
@@ -611,7 +620,7 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
             q, k, v, i, f, dh, ms, dCs, N, dv, kdcv, *((Cs, ns, dns, dg) if DGV else ()),
             *_rows(q, k, v, i, f, dh), S, NC, DK ** -0.5, DK=DK, DV=DV, BV=DVS, L=L, num_warps=warps, num_stages=stages)
     dg = dg.sum(-1)  # per (chunk, tile) parts of the forget term, from the scan or the dv kernel
-    DKS = cfg.get("DKS")  # and dq, dk in theirs, one program per DK tile (only with DVS)
+    DKS = cfg.get("DKS")  # and dq, dk in theirs, one program per DK tile (without DVS: dv stays in mlstm_bwd)
     if DKS:  # dS scratch: L/DK of q's size (128 MiB at B8 NH16 S8192 128/128)
         dS = torch.empty(B * H * NC * L * L, device=dev, dtype=q.dtype)
         wu = torch.empty(B * H * NC * 2 * L, device=dev, dtype=f32)
