@@ -175,7 +175,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="only the per-kernel profile at the default configs")
     ap.add_argument("--scan-ab", action="store_true", help="only the two scans with and without precomputed gate terms")
     ap.add_argument("--bwd-kept", action="store_true",
-                    help="only the backward from kept chunk states, at every backward candidate and the scan variants")
+                    help="only the backward from kept chunk states, at every backward candidate")
     ap.add_argument("--ab", default="", help="with --scan-ab: only these flags (comma-separated, e.g. SAVED_ROWS)")
     args = ap.parse_args()
     print("defaults:", {s: (tm.forward_config(s[3], s[4]), tm.backward_config(s[3], s[4])) for s in SHAPES})
@@ -190,8 +190,7 @@ def main():
             profile(shape)
             continue
         if args.bwd_kept:
-            scans = [dict(base_b, SW=8), dict(base_b, BK=min(DK, 32))]  # the scans at 8 warps, on narrower tiles
-            backward_kept(shape, tm.backward_candidates(DK, DV) + scans)
+            backward_kept(shape, tm.backward_candidates(DK, DV))
             continue
         if args.scan_ab:
             scan_ab(shape, [f for f in args.ab.split(",") if f])

@@ -87,12 +87,13 @@ def _fitted(cfgs, DK: int, DV: int) -> list[dict]:
 
 
 def _scan_warps(cfg: dict) -> int:
-    """Warps of the sequential state scans: at most 4 (SW, set only by benchmarks/mlstm_sweep.py,
-    overrides). Scans at 8 warps (no register spills at
+    """Warps of the sequential state scans: at most 4. Scans at 8 warps (no register spills at
     sm_90, against 584 B per program at 4) were timed on the H200 and lost at both head shapes:
     forward 1.56 vs 1.35 ms (128/128) and 2.50 vs 1.97 ms (256/512), backward 6.61 vs 5.52 and
-    8.52 vs 6.59 ms."""
-    return cfg.get("SW") or min(cfg["warps"], 4)
+    8.52 vs 6.59 ms. Again on the row-factor scan (twelfth session, backward from kept states):
+    the reverse scan 1.22 vs 0.70 ms and 2.20 vs 1.29 ms; BK 32 tiles (twice the programs) 1.25
+    and 1.69 ms."""
+    return min(cfg["warps"], 4)
 
 
 WIDE_DK = 512  # from this DQK on, the [L, DQK] tiles need the smaller configs below
@@ -192,16 +193,20 @@ SPLIT2 = dict(L=64, BV=64, BK=64, BVS=128, warps=4, stages=2, DKS=128)
 # with split_dqdk, DV walked in BV tiles), then dq and dk per DKS-wide DK tile. Every backward
 # kernel is memory-bound on the H200; SPLIT3's dv kernel reads q and k once per DV tile and its
 # gates kernel reads q, k, v and dh again: this reads them once per chunk (at B8 NH16 S8192
-# 128/128, 120 KB per chunk against 216 KB; at the 7B heads 520 KB against 1160 KB).
+# 128/128, 120 KB per chunk against 216 KB; at the 7B heads 520 KB against 1160 KB). Backward from
+# kept states on the H200 (Triton 3.6, twelfth session): 3.022 / 3.876 ms against SPLIT3's 3.166 /
+# 4.280 (the per-chunk kernel 1.15 / 1.28 ms against 0.66 + 0.64 / 0.45 + 1.25); at 8 warps 4.27 /
+# 4.29, BV 32 3.27 / 4.36. DGK: the forget term in the dq/dk kernel (see backward_candidates).
 
 
 def backward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
     """Same keys, plus DVS (dv in its own kernel, one program per chunk and DVS-wide DV tile),
-    DKS (dq and dk in theirs, one program per chunk and DKS-wide DK tile; without DVS, SPLIT2) and DGV
+    DKS (dq and dk in theirs, one program per chunk and DKS-wide DK tile; without DVS, SPLIT2), DGV
     (the forget term exp(g + m) <dC, C> in the dv kernel instead of the sequential state-gradient
-    scan, which then reads no stored state; 3 % slower on the H200, kept for other GPUs; only
-    with DVS). Below DQK 512 in bf16/fp16 the first is
-    SPLIT3 (the fastest at both benchmark shapes), its variants, then the single per-chunk kernel
+    scan, which then reads no stored state; only with DVS; 3-7 % slower on the H200, not offered)
+    and DGK (the same term in the dq/dk kernel, which reads C and dC anyway: 1 as the trace of an
+    MMA, 2 elementwise; only with DKS). Below DQK 512 in bf16/fp16 the first is
+    SPLIT2 (the fastest at both benchmark shapes), its variants, SPLIT3, then the single per-chunk kernel
     (chunk 64, DV tile 32; 5.2-5.5 ms and 6.6 ms), which stays the tuner's agreement reference.
     DQK 512: L64 x BV32 asks 290 KB of shared memory on the H200 (over the 227 KB limit); L32 x
     BV64 and L16 x BV64 fit (checked against the analytic backward on the H200, not yet timed).
@@ -212,8 +217,7 @@ def backward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
         base = dict(L=32, BV=64, BK=64, BVS=128, warps=8, stages=2)
         return _fitted((base, dict(base, L=16, warps=4)), DK, DV)
     base = dict(L=64, BV=32, BK=64, BVS=128, warps=8, stages=2)
-    split = [SPLIT3, dict(SPLIT3, DGV=1), dict(SPLIT3, DVS=128), dict(SPLIT3, DKS=64),
-             SPLIT2, dict(SPLIT2, warps=8), dict(SPLIT2, BV=32)] if itemsize <= 2 else []
+    split = [SPLIT2, dict(SPLIT2, DGK=1), dict(SPLIT2, DGK=2), SPLIT3, dict(SPLIT3, DVS=128)] if itemsize <= 2 else []
     return _fitted(split + [base, dict(base, warps=4), dict(base, BV=64, DVS=64)], DK, DV)
 
 
@@ -583,6 +587,8 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
 
     if cfg.get("DGV") and not cfg.get("DVS"):
         raise ValueError(f"mLSTM backward config {cfg}: DGV needs DVS (dv split off)")
+    if cfg.get("DGK") and (not cfg.get("DKS") or cfg.get("DGV")):
+        raise ValueError(f"mLSTM backward config {cfg}: DGK needs DKS (dq, dk split off) and no DGV")
     B, H, S, DK = q.shape
     DV = v.shape[-1]
     dev, f32 = q.device, torch.float32
@@ -606,9 +612,11 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     dC0, dn0 = torch.empty_like(gC), torch.empty_like(gn)
     DVS = cfg.get("DVS")  # split variant: dv in its own kernel, one program per DV tile
     DGV = bool(cfg.get("DGV"))  # and the forget term <dC, C> there, off the sequential scan
-    dg = torch.empty(B * H, NC, DV // DVS if DGV else NT, device=dev, dtype=f32)
+    DGK = cfg.get("DGK", 0) if SCAN_ROW_FACTORS else 0  # or in the dq/dk kernel (1: as an MMA's trace, 2: elementwise)
+    DKS = cfg.get("DKS")  # and dq, dk in theirs, one program per DK tile (without DVS: dv stays in mlstm_bwd)
+    dg = torch.empty(B * H, NC, DV // DVS if DGV else DK // DKS if DGK else NT, device=dev, dtype=f32)
     dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
-    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, dg_elsewhere=DGV, row_factors=SCAN_ROW_FACTORS),
+    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, dg_elsewhere=DGV or bool(DGK), row_factors=SCAN_ROW_FACTORS),
         (B * H, DK // BK, DV // BVS), q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0,
         *factors, *_rows(q, dh, i, f), S, NC, NT, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=_scan_warps(cfg), num_stages=stages)
     # contiguous gradients, as the op's fake promises (empty_like would copy a transposed q's strides)
@@ -619,20 +627,23 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
         _launch(_kernel("mlstm_bwd_dv.py.jinja", q.dtype, with_dg=DGV), (B * H, NC, DV // DVS),
             q, k, v, i, f, dh, ms, dCs, N, dv, kdcv, *((Cs, ns, dns, dg) if DGV else ()),
             *_rows(q, k, v, i, f, dh), S, NC, DK ** -0.5, DK=DK, DV=DV, BV=DVS, L=L, num_warps=warps, num_stages=stages)
-    dg = dg.sum(-1)  # per (chunk, tile) parts of the forget term, from the scan or the dv kernel
-    DKS = cfg.get("DKS")  # and dq, dk in theirs, one program per DK tile (without DVS: dv stays in mlstm_bwd)
+    if not DGK:
+        dg = dg.sum(-1)  # per (chunk, tile) parts of the forget term, from the scan or the dv kernel
     if DKS:  # dS scratch: L/DK of q's size (128 MiB at B8 NH16 S8192 128/128)
         dS = torch.empty(B * H * NC * L * L, device=dev, dtype=q.dtype)
         wu = torch.empty(B * H * NC * 2 * L, device=dev, dtype=f32)
     _launch(_kernel("mlstm_bwd.py.jinja", q.dtype, split_dv=bool(DVS), dv_tiles=DV // DVS if DVS else 0,
-                    split_dqdk=bool(DKS)), (B * H, NC),
+                    split_dqdk=bool(DKS), dg_later=bool(DGK)), (B * H, NC),
         q, k, v, i, f, dh, Cs, ns, ms, dCs, dns, dg, N, dden, hdh, *((dS, wu) if DKS else (dq, dk)),
         kdcv if DVS else dv, di, dlogf, *_rows(q, k, v, i, f, dh), S, NC, DK ** -0.5,
         DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     if DKS:
-        _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype), (B * H, NC, DK // DKS),
-            q, k, v, dh, Cs, ns, dCs, dns, N, dden, dS, wu, dq, dk, *_rows(q, k, v, dh), S, NC, DK ** -0.5,
-            DK=DK, DV=DV, BK=DKS, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
+        _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype, with_dg=bool(DGK), dg_by_dot=DGK == 1), (B * H, NC, DK // DKS),
+            q, k, v, dh, Cs, ns, dCs, dns, N, dden, dS, wu, dq, dk, *((factors[3], dg) if DGK else ()),
+            *_rows(q, k, v, dh), S, NC, DK ** -0.5, DK=DK, DV=DV, BK=DKS, BV=cfg["BV"], L=L, num_warps=warps,
+            num_stages=stages)
+    if DGK:  # the forget term, the same for every position of its chunk
+        dlogf += dg.sum(-1).repeat_interleave(L, dim=1)[:, :S].view(B, H, S)
     dm[..., -1] += gm + dmT.sum(-1).view(B, H)
     i32, f32_ = i.float(), f.float()
     m0s = m0.float() if C0 is not None else None
