@@ -76,20 +76,18 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False,
         for phase, cands in phases:
             for cfg in cands if all_candidates else cands[:1]:
                 scan = triton_mlstm._scan_warps(cfg)
-                dgv = {"DGV": 1} if cfg.get("DGV") else {}
-                dgk = {"DGK": cfg["DGK"]} if cfg.get("DGK") else {}
                 kernels = [("mlstm_chunk_gates.py.jinja", {}, 4),
                            ("mlstm_chunk_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), scan)]
                 fwd_tiles = dict(BV=cfg["BV"], **({"BKQ": cfg["BKQ"]} if cfg.get("BKQ") else {}))
                 kernels += ([("mlstm_fwd.py.jinja", fwd_tiles, cfg["warps"])] if phase == "fwd" else
                             [("mlstm_bwd_rows.py.jinja", dict(BV=cfg["BV"]), cfg["warps"]),
-                             ("mlstm_bwd_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"], **dgv, **dgk), scan),
-                             ("mlstm_bwd.py.jinja", dict(BV=cfg["BV"], **{k: cfg[k] for k in ("DVS", "DKS", "DGK") if cfg.get(k)}),
+                             ("mlstm_bwd_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), scan),
+                             ("mlstm_bwd.py.jinja", dict(BV=cfg["BV"], **{k: cfg[k] for k in ("DVS", "DKS") if cfg.get(k)}),
                               cfg["warps"])])
                 if phase == "bwd" and cfg.get("DVS"):
-                    kernels.append(("mlstm_bwd_dv.py.jinja", dict(BV=cfg["DVS"], **dgv), cfg["warps"]))
+                    kernels.append(("mlstm_bwd_dv.py.jinja", dict(BV=cfg["DVS"]), cfg["warps"]))
                 if phase == "bwd" and cfg.get("DKS"):
-                    kernels.append(("mlstm_bwd_dqdk.py.jinja", dict(BV=cfg["BV"], BK=cfg["DKS"], **dgk), cfg["warps"]))
+                    kernels.append(("mlstm_bwd_dqdk.py.jinja", dict(BV=cfg["BV"], BK=cfg["DKS"]), cfg["warps"]))
                 for template, tiles, warps in kernels:
                     key = (template, DK, DV, cfg["L"], tuple(sorted(tiles.items())), warps, cfg["stages"])
                     if key in seen:
@@ -98,18 +96,14 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False,
                     extra = (dict(has_state=False, gate_factors=triton_mlstm.CHUNK_SCAN_FACTORS)
                              if template == "mlstm_chunk_states.py.jinja" else
                              dict(k_loop="BKQ" in tiles, save_rows=True) if template == "mlstm_fwd.py.jinja" else
-                             dict(split_dv="DVS" in tiles, dv_tiles=DV // tiles.get("DVS", DV), split_dqdk="DKS" in tiles,
-                                  dg_later="DGK" in tiles)
+                             dict(split_dv="DVS" in tiles, dv_tiles=DV // tiles.get("DVS", DV), split_dqdk="DKS" in tiles)
                              if template == "mlstm_bwd.py.jinja" else
                              dict(row_factors=triton_mlstm.SCAN_ROW_FACTORS, saved_rows=True)
                              if template == "mlstm_bwd_rows.py.jinja" else
-                             dict(dg_elsewhere="DGV" in tiles or "DGK" in tiles, row_factors=triton_mlstm.SCAN_ROW_FACTORS)
-                             if template == "mlstm_bwd_states.py.jinja" else
-                             dict(with_dg="DGV" in tiles) if template == "mlstm_bwd_dv.py.jinja" else
-                             dict(with_dg="DGK" in tiles, dg_by_dot=tiles.get("DGK") == 1)
-                             if template == "mlstm_bwd_dqdk.py.jinja" else {})
+                             dict(row_factors=triton_mlstm.SCAN_ROW_FACTORS)
+                             if template == "mlstm_bwd_states.py.jinja" else {})
                     fn = _load(*triton_mlstm._render(template, dtype, False, **extra))
-                    cons = dict(DK=DK, DV=DV, L=cfg["L"], **{k: v for k, v in tiles.items() if k not in ("DVS", "DKS", "DGV", "DGK")})
+                    cons = dict(DK=DK, DV=DV, L=cfg["L"], **{k: v for k, v in tiles.items() if k not in ("DVS", "DKS")})
                     cons = {k: v for k, v in cons.items() if k in fn.arg_names}  # the gates kernel takes L alone
                     print(f"{template.split('.')[0]:20s} DK{DK} DV{DV} {cons} {warps} warps {cfg['stages']} stages: "
                           f"{report(fn, types_for(fn), cons, warps, cfg['stages'])}", flush=True)

@@ -184,7 +184,7 @@ SPLIT3 = dict(L=64, BV=64, BK=64, BVS=128, warps=4, stages=2, DVS=64, DKS=128)
 # and 6.72 for dv alone split off and 5.21 / 6.63 for the single per-chunk kernel; DKS 64: 4.27 /
 # 6.28, DVS 128 (DKS 64): 4.24 / 6.15, 3 stages 4.23 / 6.14, DKS 32 4.76 / 6.87, L128 12.0 / 9.2.
 # The reverse scan it runs (0.99 / 1.93 ms, profiled before the split) also reads every stored
-# chunk state for the forget term; DGV moves that to the dv kernel and lost on the H200 (seventh
+# chunk state for the forget term; moving that to the dv kernel lost on the H200 (seventh
 # session: 4.22 / 6.14 against 4.06-4.11 / 5.89-6.00 ms for SPLIT3 and its DVS 128 variant).
 
 
@@ -196,17 +196,18 @@ SPLIT2 = dict(L=64, BV=64, BK=64, BVS=128, warps=4, stages=2, DKS=128)
 # 128/128, 120 KB per chunk against 216 KB; at the 7B heads 520 KB against 1160 KB). Backward from
 # kept states on the H200 (Triton 3.6, twelfth session): 3.022 / 3.876 ms against SPLIT3's 3.166 /
 # 4.280 (the per-chunk kernel 1.15 / 1.28 ms against 0.66 + 0.64 / 0.45 + 1.25); at 8 warps 4.27 /
-# 4.29, BV 32 3.27 / 4.36. DGK: the forget term in the dq/dk kernel (see backward_candidates).
+# 4.29, BV 32 3.27 / 4.36. The scan's forget term exp(g + m) <dC, C> moved into the dq/dk kernel
+# (which reads C and dC anyway; as an MMA's trace or elementwise) lost: the scan 0.70 -> 0.47 and
+# 1.29 -> 0.84 ms, the dq/dk kernel 0.77 -> 1.25-1.31 and 0.98 -> 1.75-1.79 ms (3.28-3.35 / 4.20-4.23
+# in all); so had the same move into SPLIT3's dv kernel (DGV, over three sessions; today 3.39 /
+# 4.34). Both removed.
 
 
 def backward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
-    """Same keys, plus DVS (dv in its own kernel, one program per chunk and DVS-wide DV tile),
-    DKS (dq and dk in theirs, one program per chunk and DKS-wide DK tile; without DVS, SPLIT2), DGV
-    (the forget term exp(g + m) <dC, C> in the dv kernel instead of the sequential state-gradient
-    scan, which then reads no stored state; only with DVS; 3-7 % slower on the H200, not offered)
-    and DGK (the same term in the dq/dk kernel, which reads C and dC anyway: 1 as the trace of an
-    MMA, 2 elementwise; only with DKS). Below DQK 512 in bf16/fp16 the first is
-    SPLIT2 (the fastest at both benchmark shapes), its variants, SPLIT3, then the single per-chunk kernel
+    """Same keys, plus DVS (dv in its own kernel, one program per chunk and DVS-wide DV tile)
+    and DKS (dq and dk in theirs, one program per chunk and DKS-wide DK tile; without DVS, SPLIT2).
+    Below DQK 512 in bf16/fp16 the first is SPLIT2 (the fastest at both benchmark shapes), then
+    SPLIT3 and its DVS 128 variant (the runners-up), then the single per-chunk kernel
     (chunk 64, DV tile 32; 5.2-5.5 ms and 6.6 ms), which stays the tuner's agreement reference.
     DQK 512: L64 x BV32 asks 290 KB of shared memory on the H200 (over the 227 KB limit); L32 x
     BV64 and L16 x BV64 fit (checked against the analytic backward on the H200, not yet timed).
@@ -217,7 +218,7 @@ def backward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
         base = dict(L=32, BV=64, BK=64, BVS=128, warps=8, stages=2)
         return _fitted((base, dict(base, L=16, warps=4)), DK, DV)
     base = dict(L=64, BV=32, BK=64, BVS=128, warps=8, stages=2)
-    split = [SPLIT2, dict(SPLIT2, DGK=1), dict(SPLIT2, DGK=2), SPLIT3, dict(SPLIT3, DVS=128)] if itemsize <= 2 else []
+    split = [SPLIT2, SPLIT3, dict(SPLIT3, DVS=128)] if itemsize <= 2 else []
     return _fitted(split + [base, dict(base, warps=4), dict(base, BV=64, DVS=64)], DK, DV)
 
 
@@ -585,10 +586,6 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
 
     from torch_xaccel.ops.mlstm_backward import _route_max_grad
 
-    if cfg.get("DGV") and not cfg.get("DVS"):
-        raise ValueError(f"mLSTM backward config {cfg}: DGV needs DVS (dv split off)")
-    if cfg.get("DGK") and (not cfg.get("DKS") or cfg.get("DGV")):
-        raise ValueError(f"mLSTM backward config {cfg}: DGK needs DKS (dq, dk split off) and no DGV")
     B, H, S, DK = q.shape
     DV = v.shape[-1]
     dev, f32 = q.device, torch.float32
@@ -611,12 +608,10 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     dCs, dns = torch.empty_like(Cs), torch.empty_like(ns)
     dC0, dn0 = torch.empty_like(gC), torch.empty_like(gn)
     DVS = cfg.get("DVS")  # split variant: dv in its own kernel, one program per DV tile
-    DGV = bool(cfg.get("DGV"))  # and the forget term <dC, C> there, off the sequential scan
-    DGK = cfg.get("DGK", 0) if SCAN_ROW_FACTORS else 0  # or in the dq/dk kernel (1: as an MMA's trace, 2: elementwise)
     DKS = cfg.get("DKS")  # and dq, dk in theirs, one program per DK tile (without DVS: dv stays in mlstm_bwd)
-    dg = torch.empty(B * H, NC, DV // DVS if DGV else DK // DKS if DGK else NT, device=dev, dtype=f32)
+    dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)
     dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
-    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, dg_elsewhere=DGV or bool(DGK), row_factors=SCAN_ROW_FACTORS),
+    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, row_factors=SCAN_ROW_FACTORS),
         (B * H, DK // BK, DV // BVS), q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0,
         *factors, *_rows(q, dh, i, f), S, NC, NT, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=_scan_warps(cfg), num_stages=stages)
     # contiguous gradients, as the op's fake promises (empty_like would copy a transposed q's strides)
@@ -624,26 +619,22 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     di, dlogf = torch.empty(B, H, S, device=dev, dtype=f32), torch.empty(B, H, S, device=dev, dtype=f32)
     if DVS:
         kdcv = torch.empty(B * H * NC * (DV // DVS) * L, device=dev, dtype=f32)  # its k.dC.v row sums
-        _launch(_kernel("mlstm_bwd_dv.py.jinja", q.dtype, with_dg=DGV), (B * H, NC, DV // DVS),
-            q, k, v, i, f, dh, ms, dCs, N, dv, kdcv, *((Cs, ns, dns, dg) if DGV else ()),
+        _launch(_kernel("mlstm_bwd_dv.py.jinja", q.dtype), (B * H, NC, DV // DVS),
+            q, k, v, i, f, dh, ms, dCs, N, dv, kdcv,
             *_rows(q, k, v, i, f, dh), S, NC, DK ** -0.5, DK=DK, DV=DV, BV=DVS, L=L, num_warps=warps, num_stages=stages)
-    if not DGK:
-        dg = dg.sum(-1)  # per (chunk, tile) parts of the forget term, from the scan or the dv kernel
+    dg = dg.sum(-1)  # per (chunk, scan tile) parts of the forget term
     if DKS:  # dS scratch: L/DK of q's size (128 MiB at B8 NH16 S8192 128/128)
         dS = torch.empty(B * H * NC * L * L, device=dev, dtype=q.dtype)
         wu = torch.empty(B * H * NC * 2 * L, device=dev, dtype=f32)
     _launch(_kernel("mlstm_bwd.py.jinja", q.dtype, split_dv=bool(DVS), dv_tiles=DV // DVS if DVS else 0,
-                    split_dqdk=bool(DKS), dg_later=bool(DGK)), (B * H, NC),
+                    split_dqdk=bool(DKS)), (B * H, NC),
         q, k, v, i, f, dh, Cs, ns, ms, dCs, dns, dg, N, dden, hdh, *((dS, wu) if DKS else (dq, dk)),
         kdcv if DVS else dv, di, dlogf, *_rows(q, k, v, i, f, dh), S, NC, DK ** -0.5,
         DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     if DKS:
-        _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype, with_dg=bool(DGK), dg_by_dot=DGK == 1), (B * H, NC, DK // DKS),
-            q, k, v, dh, Cs, ns, dCs, dns, N, dden, dS, wu, dq, dk, *((factors[3], dg) if DGK else ()),
-            *_rows(q, k, v, dh), S, NC, DK ** -0.5, DK=DK, DV=DV, BK=DKS, BV=cfg["BV"], L=L, num_warps=warps,
-            num_stages=stages)
-    if DGK:  # the forget term, the same for every position of its chunk
-        dlogf += dg.sum(-1).repeat_interleave(L, dim=1)[:, :S].view(B, H, S)
+        _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype), (B * H, NC, DK // DKS),
+            q, k, v, dh, Cs, ns, dCs, dns, N, dden, dS, wu, dq, dk, *_rows(q, k, v, dh), S, NC, DK ** -0.5,
+            DK=DK, DV=DV, BK=DKS, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     dm[..., -1] += gm + dmT.sum(-1).view(B, H)
     i32, f32_ = i.float(), f.float()
     m0s = m0.float() if C0 is not None else None
