@@ -144,25 +144,24 @@ def backward_kept(shape, cfgs):
     h, C, n, m, *kept = tm.forward(None, *x, None, None, None, 1e-6, 64, keep_chunk_states=True)
     dh = torch.randn_like(h)
     states = [*kept, C, n, m]
-    ref = None
-    for cfg in cfgs:
-        tm.backward_config = lambda DK, DV, itemsize=2, c=cfg: dict(c)
-        run = lambda: tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h, states)  # noqa: E731
-        try:
-            got = run()
-            ref = ref or got
-            total, rows = kernel_times(run)
-            ms = triton.testing.do_bench(run, warmup=10, rep=50)
-            errs = " ".join(f"{_rel(a, b):.1e}" for a, b in zip(got[:5], ref[:5]))
-            print(f"{shape} bwd kept {cfg}: {ms:.3f} ms (kernels {total:.3f})  vs first: {errs}", flush=True)
-            for kms, k, key in rows[:7]:
-                print(f"{shape}   {kms:8.3f} ms x{k:<3d} {key[:90]}", flush=True)
-        except Exception as e:  # noqa: BLE001 - a config that does not build is a finding
-            print(f"{shape} bwd kept {cfg}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
-    tm.backward_config = _DEFAULT_BACKWARD
-
-
-_DEFAULT_BACKWARD = tm.backward_config
+    ref, default_b = None, tm.backward_config
+    try:
+        for cfg in cfgs:
+            tm.backward_config = lambda DK, DV, itemsize=2, c=cfg: dict(c)
+            run = lambda: tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h, states)  # noqa: E731
+            try:
+                got = run()
+                ref = ref or got  # the first config that runs
+                total, rows = kernel_times(run)
+                ms = triton.testing.do_bench(run, warmup=10, rep=50)
+                errs = " ".join(f"{_rel(a, b):.1e}" for a, b in zip(got[:5], ref[:5]))
+                print(f"{shape} bwd kept {cfg}: {ms:.3f} ms (kernels {total:.3f})  vs first: {errs}", flush=True)
+                for kms, k, key in rows[:7]:
+                    print(f"{shape}   {kms:8.3f} ms x{k:<3d} {key[:90]}", flush=True)
+            except Exception as e:  # noqa: BLE001 - a config that does not build is a finding
+                print(f"{shape} bwd kept {cfg}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+    finally:
+        tm.backward_config = default_b
 
 
 def main():
