@@ -2,11 +2,13 @@
 defaults in codegen/triton_mlstm.py:
 
     python benchmarks/mlstm_sweep.py [--quick] [--sliced] [--profile] [--scan-ab] [--bwd-kept]
+                                     [--variants JSON] [--shapes B,H,S,DK,DV;...]
 
 Each line: shape, phase, config, median ms, and the relative error of h (forward) or dq
 (backward) against the default config, so a config that breaks the math cannot win.
 """
 import argparse
+import json
 
 import torch
 import triton.testing
@@ -176,9 +178,15 @@ def main():
     ap.add_argument("--bwd-kept", action="store_true",
                     help="only the backward from kept chunk states, at every backward candidate")
     ap.add_argument("--ab", default="", help="with --scan-ab: only these flags (comma-separated, e.g. SAVED_ROWS)")
+    ap.add_argument("--variants", default="[]",
+                    help='with --bwd-kept: also each of these key overrides (a JSON list, e.g. [{"SW": 8}]) applied '
+                         "to each of the first --variant-bases candidates")
+    ap.add_argument("--variant-bases", type=int, default=1)
+    ap.add_argument("--shapes", default="", help="B,H,S,DK,DV;... in place of the two benchmark shapes")
     args = ap.parse_args()
-    print("defaults:", {s: (tm.forward_config(s[3], s[4]), tm.backward_config(s[3], s[4])) for s in SHAPES})
-    for shape in SHAPES:
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";") if s] or SHAPES
+    print("defaults:", {s: (tm.forward_config(s[3], s[4]), tm.backward_config(s[3], s[4])) for s in shapes})
+    for shape in shapes:
         DK, DV = shape[3], shape[4]
         base_f, base_b = tm.forward_config(DK, DV), tm.backward_config(DK, DV)
         fwd = [base_f, dict(base_f, warps=4), dict(base_f, BV=min(DV, 256)), dict(base_f, BV=64, warps=4),
@@ -189,7 +197,9 @@ def main():
             profile(shape)
             continue
         if args.bwd_kept:
-            backward_kept(shape, tm.backward_candidates(DK, DV))
+            cands = tm.backward_candidates(DK, DV)
+            extra = [tm._fit(dict(c, **v), DK, DV) for c in cands[:args.variant_bases] for v in json.loads(args.variants)]
+            backward_kept(shape, cands + extra)
             continue
         if args.scan_ab:
             scan_ab(shape, [f for f in args.ab.split(",") if f])
