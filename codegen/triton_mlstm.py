@@ -151,7 +151,7 @@ def forward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
         whole = dict(whole, L=64, BV=64)
         listed = [whole, SLICED, dict(SLICED, warps=8, stages=2)]
     else:
-        listed = [SLICED, dict(SLICED, stages=2), whole, dict(whole, L=64)]
+        listed = [SLICED, dict(SLICED, LF=1), dict(SLICED, stages=2), whole, dict(whole, L=64)]
 
     def fitting(cfgs):
         return [c for c in _fitted(cfgs, DK, DV)
@@ -218,7 +218,7 @@ def backward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
         base = dict(L=32, BV=64, BK=64, BVS=128, warps=8, stages=2)
         return _fitted((base, dict(base, L=16, warps=4)), DK, DV)
     base = dict(L=64, BV=32, BK=64, BVS=128, warps=8, stages=2)
-    split = [SPLIT2, dict(SPLIT2, DSS=1), SPLIT3, dict(SPLIT3, DVS=128)] if itemsize <= 2 else []
+    split = [SPLIT2, dict(SPLIT2, LF=1), SPLIT3, dict(SPLIT3, DVS=128)] if itemsize <= 2 else []
     return _fitted(split + [base, dict(base, warps=4), dict(base, BV=64, DVS=64)], DK, DV)
 
 
@@ -413,7 +413,8 @@ def chunk_states(k, v, i, f, C0, n0, m0, cfg):
     if CHUNK_SCAN_FACTORS:  # each chunk's gate terms, in parallel, off the sequential scan
         gates = [torch.empty(B * H * NC * L, dtype=f32, device=dev), torch.empty(B * H * NC * 2, dtype=f32, device=dev)]
         _launch(_kernel("mlstm_chunk_gates.py.jinja", k.dtype), (B * H, NC), i, f, *gates, *_rows(i, f), S, NC, L=L)
-    _launch(_kernel("mlstm_chunk_states.py.jinja", k.dtype, has_state=has_state, gate_factors=CHUNK_SCAN_FACTORS),
+    _launch(_kernel("mlstm_chunk_states.py.jinja", k.dtype, has_state=has_state, gate_factors=CHUNK_SCAN_FACTORS,
+                    loads_first=bool(cfg.get("LF"))),
         (B * H, DK // BK, DV // BVS), k, v, i, f, C0, n0, m0, Cs, ns, ms, C, n, m, *gates, *_rows(k, v, i, f), S, NC,
         DK ** -0.5, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=_scan_warps(cfg), num_stages=stages)
     return (Cs, ns, ms), (C, n, m)
@@ -611,7 +612,7 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     DKS = cfg.get("DKS")  # and dq, dk in theirs, one program per DK tile (without DVS: dv stays in mlstm_bwd)
     dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)
     dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
-    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, row_factors=SCAN_ROW_FACTORS),
+    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, row_factors=SCAN_ROW_FACTORS, loads_first=bool(cfg.get("LF"))),
         (B * H, DK // BK, DV // BVS), q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0,
         *factors, *_rows(q, dh, i, f), S, NC, NT, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=_scan_warps(cfg), num_stages=stages)
     # contiguous gradients, as the op's fake promises (empty_like would copy a transposed q's strides)
@@ -627,12 +628,12 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
         dS = torch.empty(B * H * NC * L * L, device=dev, dtype=q.dtype)
         wu = torch.empty(B * H * NC * 2 * L, device=dev, dtype=f32)
     _launch(_kernel("mlstm_bwd.py.jinja", q.dtype, split_dv=bool(DVS), dv_tiles=DV // DVS if DVS else 0,
-                    split_dqdk=bool(DKS), dss=bool(cfg.get("DSS"))), (B * H, NC),
+                    split_dqdk=bool(DKS)), (B * H, NC),
         q, k, v, i, f, dh, Cs, ns, ms, dCs, dns, dg, N, dden, hdh, *((dS, wu) if DKS else (dq, dk)),
         kdcv if DVS else dv, di, dlogf, *_rows(q, k, v, i, f, dh), S, NC, DK ** -0.5,
         DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     if DKS:
-        _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype, dss=bool(cfg.get("DSS"))), (B * H, NC, DK // DKS),
+        _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype), (B * H, NC, DK // DKS),
             q, k, v, dh, Cs, ns, dCs, dns, N, dden, dS, wu, dq, dk, *_rows(q, k, v, dh), S, NC, DK ** -0.5,
             DK=DK, DV=DV, BK=DKS, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     dm[..., -1] += gm + dmT.sum(-1).view(B, H)
