@@ -218,7 +218,7 @@ def backward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
         base = dict(L=32, BV=64, BK=64, BVS=128, warps=8, stages=2)
         return _fitted((base, dict(base, L=16, warps=4)), DK, DV)
     base = dict(L=64, BV=32, BK=64, BVS=128, warps=8, stages=2)
-    split = [SPLIT2, dict(SPLIT2, LF=1), SPLIT3, dict(SPLIT3, DVS=128)] if itemsize <= 2 else []
+    split = [SPLIT2, SPLIT3, dict(SPLIT3, DVS=128)] if itemsize <= 2 else []
     return _fitted(split + [base, dict(base, warps=4), dict(base, BV=64, DVS=64)], DK, DV)
 
 
@@ -612,7 +612,7 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     DKS = cfg.get("DKS")  # and dq, dk in theirs, one program per DK tile (without DVS: dv stays in mlstm_bwd)
     dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)
     dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
-    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, row_factors=SCAN_ROW_FACTORS, loads_first=bool(cfg.get("LF"))),
+    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, row_factors=SCAN_ROW_FACTORS),
         (B * H, DK // BK, DV // BVS), q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0,
         *factors, *_rows(q, dh, i, f), S, NC, NT, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=_scan_warps(cfg), num_stages=stages)
     # contiguous gradients, as the op's fake promises (empty_like would copy a transposed q's strides)
