@@ -143,7 +143,9 @@ def forward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
     1.16-2.38 ms); the whole-tile runners-up stay (they won at small shapes; 1.33 ms at 128/128
     and 1.96 ms at 256/512 for the first; the scan tile BVS 64 lost everywhere). DQK 512:
     whole-tile L128 x BV128 asks 426 KB; L64 x BV64 fits in bf16/fp16 (205 KB) and stays the
-    default until the sliced one is timed there. fp32 doubles
+    default until the sliced one is timed there. LF: the chunk-state scan issues each step's
+    loads before its stores (the tuner's pick at the 7B heads, 1.500 against 1.552 ms kept, and at
+    the model's B4 S2048, 0.409 against 0.419; 0.976 against 0.965 at 128/128). fp32 doubles
     every tile: where none of these fits, smaller configs take their place; where none of those
     fits either, the op runs its reference."""
     whole = dict(L=128, BV=128, BK=64, BVS=128, warps=8, stages=2)
@@ -195,12 +197,18 @@ SPLIT2 = dict(L=64, BV=64, BK=64, BVS=128, warps=4, stages=2, DKS=128)
 # gates kernel reads q, k, v and dh again: this reads them once per chunk (at B8 NH16 S8192
 # 128/128, 120 KB per chunk against 216 KB; at the 7B heads 520 KB against 1160 KB). Backward from
 # kept states on the H200 (Triton 3.6, twelfth session): 3.022 / 3.876 ms against SPLIT3's 3.166 /
-# 4.280 (the per-chunk kernel 1.15 / 1.28 ms against 0.66 + 0.64 / 0.45 + 1.25); at 8 warps 4.27 /
-# 4.29, BV 32 3.27 / 4.36. The scan's forget term exp(g + m) <dC, C> moved into the dq/dk kernel
-# (which reads C and dC anyway; as an MMA's trace or elementwise) lost: the scan 0.70 -> 0.47 and
-# 1.29 -> 0.84 ms, the dq/dk kernel 0.77 -> 1.25-1.31 and 0.98 -> 1.75-1.79 ms (3.28-3.35 / 4.20-4.23
-# in all); so had the same move into SPLIT3's dv kernel (DGV, over three sessions; today 3.39 /
-# 4.34). Both removed.
+# 4.280; at 8 warps 4.27 / 4.29, BV 32 3.27 / 4.36. The scan's forget term exp(g + m) <dC, C>
+# moved into the dq/dk kernel lost (3.28-3.35 / 4.20-4.23), as in SPLIT3's dv kernel (DGV).
+# Thirteenth session, live ranges cut in the split kernels (templates): q.n and k.dn taken before
+# the DV loop (the per-chunk kernel 1.15 -> 0.99 ms), dh entering the dots as loaded with 1/N
+# applied outside the loop (-> 0.91 ms; in dq/dk too), dS stored pre-scaled so that dq's intra
+# dot adds into its accumulator: 2.74 / 3.57 ms, 0.99 at the model's B4 NH8 S2048, where SPLIT2
+# now also wins (SPLIT3 DVS 128: 1.12). Lost and not kept: A rebuilt after the DV loop (2.90 /
+# 3.73), q k^T too (3.03 / 3.98), dq/dk starting from the intra dots with u folded into v (3.37 /
+# 4.25), the reverse scan's loads before its stores (2.85 / 3.77), scan tiles BK 128 at 8 warps
+# (3.34 / 4.55) or BVS 64 (3.03 / 4.12), scan stages 1 or 3 (no gain), 8 warps (3.75 / 3.96), BV
+# 128 (3.28 / 4.00). Triton 3.9's ptxas report (compile_report.py) counted more spills for the
+# winners: spills there do not predict Triton 3.6 on the H200.
 
 
 def backward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
