@@ -64,7 +64,7 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False,
     def types_for(fn):
         return {a: (ptr if a in ("q_ptr", "k_ptr", "v_ptr", "h_ptr", "Cs_ptr", "dCs_ptr", "dh_ptr", "dq_ptr",
                                      "dk_ptr", "dv_ptr", "dS_ptr") else "i32" if a in ("S", "NC", "NT", "H") or a[-3:] in ("_sb", "_sh", "_ss")
-                    else "fp32" if a in ("scale", "eps") else "*fp32") for a in fn.arg_names}
+                    else "fp32" if a in ("scale", "eps") else "*i8" if a == "start_ptr" else "*fp32") for a in fn.arg_names}
 
     seen = set()
     for DK, DV in shapes:
@@ -88,12 +88,14 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False,
                     kernels.append(("mlstm_bwd_dv.py.jinja", dict(BV=cfg["DVS"]), cfg["warps"]))
                 if phase == "bwd" and cfg.get("DKS"):
                     kernels.append(("mlstm_bwd_dqdk.py.jinja", dict(BV=cfg["BV"], BK=cfg["DKS"]), cfg["warps"]))
+                if phase == "bwd":  # FUSED_ROUTE's tail (no tile config: once per head shape)
+                    kernels.append(("mlstm_bwd_route.py.jinja", dict(BLOCK=1024, NTP=4), 4))
                 for template, tiles, warps in kernels:
-                    key = (template, DK, DV, cfg["L"], tuple(sorted(tiles.items())), warps, cfg["stages"])
+                    key = (template, DK, DV, cfg["L"], tuple(sorted(tiles.items())), warps, cfg["stages"], cfg.get("LF"))
                     if key in seen:
                         continue
                     seen.add(key)
-                    extra = (dict(has_state=False, gate_factors=triton_mlstm.CHUNK_SCAN_FACTORS)
+                    extra = (dict(has_state=False, gate_factors=triton_mlstm.CHUNK_SCAN_FACTORS, loads_first=bool(cfg.get("LF")))
                              if template == "mlstm_chunk_states.py.jinja" else
                              dict(k_loop="BKQ" in tiles, save_rows=True) if template == "mlstm_fwd.py.jinja" else
                              dict(split_dv="DVS" in tiles, dv_tiles=DV // tiles.get("DVS", DV), split_dqdk="DKS" in tiles)
@@ -101,7 +103,8 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False,
                              dict(row_factors=triton_mlstm.SCAN_ROW_FACTORS, saved_rows=True)
                              if template == "mlstm_bwd_rows.py.jinja" else
                              dict(row_factors=triton_mlstm.SCAN_ROW_FACTORS)
-                             if template == "mlstm_bwd_states.py.jinja" else {})
+                             if template == "mlstm_bwd_states.py.jinja" else
+                             dict(has_state=False) if template == "mlstm_bwd_route.py.jinja" else {})
                     fn = _load(*triton_mlstm._render(template, dtype, False, **extra))
                     cons = dict(DK=DK, DV=DV, L=cfg["L"], **{k: v for k, v in tiles.items() if k not in ("DVS", "DKS")})
                     cons = {k: v for k, v in cons.items() if k in fn.arg_names}  # the gates kernel takes L alone

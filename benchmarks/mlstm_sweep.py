@@ -1,7 +1,7 @@
 """Time the generated mLSTM kernels over tile configurations on the GPU (bf16), to pick the
 defaults in codegen/triton_mlstm.py:
 
-    python benchmarks/mlstm_sweep.py [--quick] [--sliced] [--profile] [--scan-ab] [--bwd-kept]
+    python benchmarks/mlstm_sweep.py [--quick] [--sliced] [--profile] [--scan-ab] [--bwd-kept] [--route-ab]
                                      [--variants JSON] [--shapes B,H,S,DK,DV;...]
 
 Each line: shape, phase, config, median ms, and the relative error of h (forward) or dq
@@ -166,6 +166,31 @@ def backward_kept(shape, cfgs):
         tm.backward_config = default_b
 
 
+def route_ab(shape):
+    """The backward from kept states with its tail (the eps term routed through the stabilizer
+    max, the gates' final gradients) in torch and in one kernel (FUSED_ROUTE): median ms, the
+    kernels' times, and the gradients' difference."""
+    x = _inputs(*shape)
+    h, C, n, m, *kept = tm.forward(None, *x, None, None, None, 1e-6, 64, keep_chunk_states=True)
+    dh = torch.randn_like(h)
+    states = [*kept, C, n, m]
+    run = lambda: tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h, states)  # noqa: E731
+    outs = {}
+    try:
+        for fused in (False, True):
+            tm.FUSED_ROUTE = fused
+            outs[fused] = run()
+            total, rows = kernel_times(run)
+            ms = triton.testing.do_bench(run, warmup=10, rep=50)
+            print(f"{shape} FUSED_ROUTE={fused}: {ms:.3f} ms (kernels {total:.3f}, {sum(r[1] for r in rows)} launches)", flush=True)
+            for kms, k, key in rows[:8]:
+                print(f"{shape}   {kms:8.3f} ms x{k:<3d} {key[:90]}", flush=True)
+    finally:
+        tm.FUSED_ROUTE = False
+    errs = " ".join(f"{_rel(a, b):.1e}" for a, b in zip(outs[True][:5], outs[False][:5]))
+    print(f"{shape} FUSED_ROUTE True vs False, dq dk dv di df: {errs}", flush=True)
+
+
 def main():
     tm.TUNE = False
     ap = argparse.ArgumentParser()
@@ -177,6 +202,7 @@ def main():
     ap.add_argument("--scan-ab", action="store_true", help="only the two scans with and without precomputed gate terms")
     ap.add_argument("--bwd-kept", action="store_true",
                     help="only the backward from kept chunk states, at every backward candidate")
+    ap.add_argument("--route-ab", action="store_true", help="only the backward's tail in torch and fused (FUSED_ROUTE)")
     ap.add_argument("--ab", default="", help="with --scan-ab: only these flags (comma-separated, e.g. SAVED_ROWS)")
     ap.add_argument("--variants", default="[]",
                     help='with --bwd-kept: also each of these key overrides (a JSON list, e.g. [{"SW": 8}]) applied '
@@ -200,6 +226,9 @@ def main():
             cands = tm.backward_candidates(DK, DV)
             extra = [tm._fit(dict(c, **v), DK, DV) for c in cands[:args.variant_bases] for v in json.loads(args.variants)]
             backward_kept(shape, cands + extra)
+            continue
+        if args.route_ab:
+            route_ab(shape)
             continue
         if args.scan_ab:
             scan_ab(shape, [f for f in args.ab.split(",") if f])

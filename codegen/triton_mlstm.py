@@ -375,6 +375,13 @@ SAVED_ROWS = True
 # the backward from kept chunk states reads each row's den and m_t, stored by the forward, in
 # mlstm_bwd_rows instead of recomputing q k^T there (False: recompute, for mlstm_sweep.py --scan-ab)
 
+FUSED_ROUTE = False
+# the backward's last step, the eps term routed through the stabilizer max and the gates' final
+# gradients, in one Triton kernel per row (mlstm_bwd_route) instead of ~12 small torch launches
+# (~0.13 ms at B8 NH16 S8192 on the H200). Checked in the interpreter against the torch path
+# (tests/test_triton_mlstm_interpreter.py), not yet timed on the GPU: off until
+# benchmarks/mlstm_sweep.py --route-ab has run there.
+
 READ_STRIDED = True  # False: copy every non-contiguous input first (benchmarks/mlstm_layout_probe.py times both)
 
 
@@ -530,7 +537,8 @@ def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=
     chunk_size), per-row normalizer terms (from the saved output h and, with kept states, the
     forward's den_t and m_t; else q k^T again; h recomputed when absent), the
     reverse state-gradient scan, then every chunk's dq, dk, dv and gate gradients in parallel.
-    The eps term is routed through the stabilizer max here in torch (a cummax over [B, H, S])."""
+    The eps term is routed through the stabilizer max here in torch (a cummax over [B, H, S]), or
+    with FUSED_ROUTE in one kernel (route_max_grad)."""
     B, H, S, DK = q.shape
     DV = v.shape[-1]
     if not _supported(q, k, v, S, "bwd") or dh is None and gC is None:
@@ -590,6 +598,29 @@ def _kept_states(chunk_states, q, v, chunk_size):
             tuple(t.float().contiguous() for t in (C, n, m)))
 
 
+def route_max_grad(dm, gm, dmT, di, dlogf, i, f, m0=None):
+    """(di + routed, (dlogf + routed) * sigmoid(-f) in the gates' dtypes, the routed part of dm0
+    or None) for dm [B, H, S] with gm + dmT.sum(-1) added to its last row: what _backward's torch
+    tail computes with ops/mlstm_backward._route_max_grad, in one launch (mlstm_bwd_route)."""
+    B, H, S = i.shape
+    i, f = _strided(i), _strided(f)
+    start = torch.empty(B * H * S, dtype=torch.int8, device=i.device)
+    di_out = torch.empty((B, H, S), dtype=i.dtype, device=i.device)
+    df_out = torch.empty((B, H, S), dtype=f.dtype, device=i.device)
+    dm0 = torch.empty((B, H), dtype=torch.float32, device=i.device) if m0 is not None else None
+    NT = dmT.shape[-1]
+    block = min(1024, _next_pow2(S))
+    _launch(_kernel("mlstm_bwd_route.py.jinja", i.dtype, has_state=m0 is not None), (B * H,),
+            i, f, dm, gm.float().contiguous(), dmT, di, dlogf, m0.float().contiguous() if m0 is not None else dm,
+            start, di_out, df_out, dm0 if dm0 is not None else dm, *_rows(i, f), S, NT,
+            NTP=_next_pow2(NT), BLOCK=block, num_warps=4)
+    return di_out, df_out, dm0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None):
     import torch.nn.functional as F
 
@@ -644,12 +675,15 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
         _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype), (B * H, NC, DK // DKS),
             q, k, v, dh, Cs, ns, dCs, dns, N, dden, dS, wu, dq, dk, *_rows(q, k, v, dh), S, NC, DK ** -0.5,
             DK=DK, DV=DV, BK=DKS, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
-    dm[..., -1] += gm + dmT.sum(-1).view(B, H)
-    i32, f32_ = i.float(), f.float()
     m0s = m0.float() if C0 is not None else None
-    r_di, r_dlogf, r_dm0 = _route_max_grad(dm, i32, F.logsigmoid(f32_).cumsum(-1), m0s)
-    df = (dlogf + r_dlogf) * torch.sigmoid(-f32_)
-    grads = [dq, dk, dv, (di + r_di).to(i.dtype), df.to(f.dtype)]
+    if FUSED_ROUTE:
+        di_out, df_out, r_dm0 = route_max_grad(dm, gm, dmT, di, dlogf, i, f, m0s)
+    else:
+        dm[..., -1] += gm + dmT.sum(-1).view(B, H)
+        i32, f32_ = i.float(), f.float()
+        r_di, r_dlogf, r_dm0 = _route_max_grad(dm, i32, F.logsigmoid(f32_).cumsum(-1), m0s)
+        di_out, df_out = (di + r_di).to(i.dtype), ((dlogf + r_dlogf) * torch.sigmoid(-f32_)).to(f.dtype)
+    grads = [dq, dk, dv, di_out, df_out]
     if C0 is not None:
         e0 = torch.exp(m0s)
         grads += [(dC0 * e0[..., None, None]).to(C0.dtype), (dn0 * e0[..., None]).to(n0.dtype),

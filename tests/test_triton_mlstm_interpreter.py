@@ -318,3 +318,57 @@ def test_fp16_backward_with_a_huge_state_gradient_runs_the_reference(tmp_path):
     proc = subprocess.run([sys.executable, "-c", FP16_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.count("\n") == 2, proc.stdout
+
+
+ROUTE_SCRIPT = textwrap.dedent("""
+    import os, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch.nn.functional as F
+    from torch_xaccel.codegen import triton_mlstm
+    from torch_xaccel.ops.mlstm_backward import _route_max_grad
+    torch.manual_seed(0)
+    bad = 0
+    # S over one 1024 block and not a multiple of it (runs crossing blocks), transposed gates, exact
+    # ties (f = +inf: every logsigmoid is 0, integer i) among positions and with m0
+    for B, H, S, NT, state, ties in [(2, 3, 37, 3, False, False), (1, 2, 2500, 1, True, False),
+                                     (2, 1, 1030, 4, True, True), (1, 2, 700, 2, False, True)]:
+        if ties:
+            i, f = torch.randint(-3, 3, (B, S, H)).float().transpose(1, 2), torch.full((B, H, S), float("inf"))
+        else:
+            i, f = torch.randn(B, S, H).transpose(1, 2), torch.randn(B, H, S) + 2
+        dm, di, dlogf = (torch.randn(B, H, S) for _ in range(3))
+        gm, dmT = torch.randn(B, H), torch.randn(B * H, NT)
+        m0 = (torch.ones(B, H) if ties else torch.randn(B, H)) if state else None
+        last = dm.clone()
+        last[..., -1] += gm + dmT.sum(-1).view(B, H)
+        r_di, r_dlogf, r_dm0 = _route_max_grad(last, i, F.logsigmoid(f).cumsum(-1), m0)
+        want = [di + r_di, (dlogf + r_dlogf) * torch.sigmoid(-f)] + ([r_dm0] if state else [])
+        got = triton_mlstm.route_max_grad(dm, gm, dmT, di, dlogf, i, f, m0)
+        errs = [((g.double() - w.double()).abs().max() / w.double().abs().max().clamp_min(1e-30)).item()
+                for g, w in zip(got, want)]
+        print((B, H, S, NT, state, ties), " ".join(f"{e:.1e}" for e in errs))
+        bad += not all(e <= 1e-5 for e in errs)  # NaN fails too
+    # and the whole backward with the fused tail against the torch tail
+    B, H, S, DK, DV = 1, 2, 150, 32, 16
+    x = [torch.randn(B, H, S, DK), torch.randn(B, H, S, DK), torch.randn(B, H, S, DV), torch.randn(B, H, S), torch.randn(B, H, S) + 2]
+    st = [torch.randn(B, H, DK, DV) * .1, torch.randn(B, H, DK) * .1, torch.randn(B, H)]
+    cots = [torch.randn(B, H, S, DV), torch.randn(B, H, DK, DV), torch.randn(B, H, DK), torch.randn(B, H)]
+    runs = []
+    for fused in (False, True):
+        triton_mlstm.FUSED_ROUTE = fused
+        runs.append(triton_mlstm.backward(None, *cots, *x, *st, 1e-6, 64))
+    errs = [((a - b).norm() / b.norm()).item() for a, b in zip(runs[1], runs[0])]
+    print("backward", " ".join(f"{e:.1e}" for e in errs))
+    bad += not all(e <= 1e-6 for e in errs)
+    raise SystemExit(bad)
+""")
+
+
+def test_fused_route_of_the_eps_term_matches_torch_in_interpreter(tmp_path):
+    """mlstm_bwd_route (FUSED_ROUTE) routes dm through the stabilizer max like _route_max_grad: runs
+    of the argmax across 1024-blocks, ties to the later index and to m0 as torch.cummax breaks
+    them, the final m's gradient added to the last row, di and df in the gates' dtypes."""
+    env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", ROUTE_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.count("\n") == 5, proc.stdout

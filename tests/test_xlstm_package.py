@@ -63,15 +63,21 @@ def test_xlstm_large_native_bf16_runs_compiled_where_eager_raises():
 
 @pytest.mark.parametrize("backward_fusion", ["0", "1"])  # "1": the default where CUTLASS kernels run
 def test_xlstm_large_native_train_step_equal_to_eager(monkeypatch, backward_fusion):
-    """Training through xaccel.mlstm's own backward: logits within 1e-5 and every parameter's
-    gradient within 2e-4 of eager (the input-gate biases' gradients are near-cancelling sums of
-    norm ~3e-6, where fp32 summation order alone shows at ~1e-4), all gradients together 1e-5.
+    """Training through xaccel.mlstm's own backward: logits within 1e-5 of eager, all gradients
+    together within 1e-5, and every parameter's gradient within 2e-4 of the float64 model's or no
+    more than 3x as far from it as eager float32's own. The input-gate biases' gradients are
+    near-cancelling sums of norm ~3e-6: there eager float32 itself is 1.5-1.9e-4 off float64,
+    and which summation order lands closer depends on the host CPU (a 2e-4 bound between the
+    two float32 paths passed on one host and failed on another).
     With backward fusion the backward graph's GEMM chains are fused too (GPU default with CUTLASS)."""
     monkeypatch.setenv("XACCEL_BACKWARD_FUSION", backward_fusion)
     model, tokens = _model("train"), torch.randint(0, 97, (2, 32))
     want = model(tokens)[0]
     want.float().square().mean().backward()
     grads = [p.grad.clone() for p in model.parameters()]
+    model64 = _model("train").double()
+    model64(tokens)[0].square().mean().backward()
+    grads64 = [p.grad for p in model64.parameters()]
     model.zero_grad()
     torch._dynamo.reset()
     # a training graph runs the mlstm that keeps its chunk states for the backward where the
@@ -88,7 +94,9 @@ def test_xlstm_large_native_train_step_equal_to_eager(monkeypatch, backward_fusi
     report = torch_xaccel.last_report(1)
     assert report.counts()["mlstm"] == 2 and len(kept) == 2
     assert all("keeps its chunk states" in r.note for r in report.replacements if r.op == "xaccel.mlstm"), str(report)
-    assert all(rel_err(p.grad, g) <= 2e-4 for p, g in zip(model.parameters(), grads))
+    far = [(name, rel_err(p.grad.double(), g64), rel_err(g.double(), g64))
+           for (name, p), g, g64 in zip(model.named_parameters(), grads, grads64)]
+    assert all(mine <= max(2e-4, 3 * eager) for _, mine, eager in far), [f for f in far if f[1] > 2e-4]
     assert rel_err(torch.cat([p.grad.flatten() for p in model.parameters()]), torch.cat([g.flatten() for g in grads])) <= 1e-5
     assert not [f for f in report.fallbacks if "backward" in str(f).lower()], str(report)
     fused = [r for r in report.replacements if r.op == "xaccel.gemm_epilogue" and "backward" in r.note]
