@@ -24,6 +24,14 @@ def _inputs(B, H, S, DK, DV):
     return [mk(B, H, S, DK), mk(B, H, S, DK), mk(B, H, S, DV), mk(B, H, S), 3.0 + mk(B, H, S)]
 
 
+def _kept_forward(shape):
+    """(inputs, h, a random dh, the kept chunk states) of one training forward at chunk 64: what
+    a backward from kept states starts from."""
+    x = _inputs(*shape)
+    h, C, n, m, *kept = tm.forward(None, *x, None, None, None, 1e-6, 64, keep_chunk_states=True)
+    return x, h, torch.randn_like(h), [*kept, C, n, m]
+
+
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -111,10 +119,7 @@ def scan_ab(shape, only=()):
     reading the forward's den and m_t per row or recomputing q k^T (SAVED_ROWS); per-kernel
     times, median times, and the outputs' difference between the two (bf16: both carry their
     own rounding)."""
-    x = _inputs(*shape)
-    h, C, n, m, *kept = tm.forward(None, *x, None, None, None, 1e-6, 64, keep_chunk_states=True)
-    dh = torch.randn_like(h)
-    states = [*kept, C, n, m]
+    x, h, dh, states = _kept_forward(shape)
     phases = {"CHUNK_SCAN_FACTORS": lambda: tm.forward(None, *x, None, None, None, 1e-6, 64, keep_chunk_states=True),
               "SCAN_ROW_FACTORS": lambda: tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h,
                                                       states),
@@ -142,10 +147,7 @@ def backward_kept(shape, cfgs):
     """The backward from the forward's kept chunk states (what a training graph runs) at each
     config: median ms, the kernels' times, and every input gradient's difference from the first
     config's (bf16: a few 1e-3 between right configs)."""
-    x = _inputs(*shape)
-    h, C, n, m, *kept = tm.forward(None, *x, None, None, None, 1e-6, 64, keep_chunk_states=True)
-    dh = torch.randn_like(h)
-    states = [*kept, C, n, m]
+    x, h, dh, states = _kept_forward(shape)
     ref, default_b = None, tm.backward_config
     try:
         for cfg in cfgs:
@@ -170,10 +172,7 @@ def route_ab(shape):
     """The backward from kept states with its tail (the eps term routed through the stabilizer
     max, the gates' final gradients) in torch and in one kernel (FUSED_ROUTE): median ms, the
     kernels' times, and the gradients' difference."""
-    x = _inputs(*shape)
-    h, C, n, m, *kept = tm.forward(None, *x, None, None, None, 1e-6, 64, keep_chunk_states=True)
-    dh = torch.randn_like(h)
-    states = [*kept, C, n, m]
+    x, h, dh, states = _kept_forward(shape)
     run = lambda: tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h, states)  # noqa: E731
     outs = {}
     try:
