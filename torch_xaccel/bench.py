@@ -344,16 +344,25 @@ def _settle_cutlass(run) -> str:
 
 def _model_config_rows(name, kernels, dims, dev, tokens, add, compile_kwargs) -> None:
     """Prefill, train step and decode rows of one configuration (those whose label matches --paths;
-    with a torch.compile mode, decode rows only unless --paths names the others)."""
+    with a torch.compile mode, decode rows only unless --paths names the others; the train step
+    with its loss compiled too only when --paths names it)."""
     import torch._dynamo
     from xlstm.xlstm_large.model import xLSTMLarge, xLSTMLargeConfig
 
     def wanted(label):
         if compile_kwargs and not PATHS and "decode" not in label:
             return False
+        if "loss compiled" in label and not PATHS:  # opt-in: --paths names it
+            return False
         return re.search(PATHS, f"{name}, {label}") is not None
-    for mode in ("inference", "train"):
-        if not wanted("prefill" if mode == "inference" else "train step"):
+
+    def loss(logits):  # the train step's loss, as a user writes it around the model
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+    # "loss compiled": the same step with the cross-entropy inside the compiled function (xaccel:
+    # model and loss in one torch.compile; the anchor: its loss alone compiled by Inductor), to
+    # show what compiling the loss too is worth (the LM head's logits cast and softmax)
+    for label, mode in (("prefill", "inference"), ("train step", "train"), ("train step, loss compiled", "train")):
+        if not wanted(label):
             continue
         torch._dynamo.reset()
         try:
@@ -362,7 +371,13 @@ def _model_config_rows(name, kernels, dims, dev, tokens, add, compile_kwargs) ->
                                    **dims, **kernels)
             torch.manual_seed(0)
             model = xLSTMLarge(cfg).to(dev, torch.bfloat16)
-            fn = torch.compile(model, backend="xaccel", **compile_kwargs) if "xaccel" in name else model
+            if "loss compiled" in label:
+                compiled_loss = None if "xaccel" in name else torch.compile(loss)
+                step = (torch.compile(lambda t: loss(model(t)[0]), backend="xaccel", **compile_kwargs)
+                        if "xaccel" in name else lambda t: compiled_loss(model(t)[0]))
+            else:
+                fn = torch.compile(model, backend="xaccel", **compile_kwargs) if "xaccel" in name else model
+                step = lambda t: loss(fn(t)[0])  # noqa: E731
             if mode == "inference":
                 def run():
                     with torch.inference_mode():
@@ -370,8 +385,7 @@ def _model_config_rows(name, kernels, dims, dev, tokens, add, compile_kwargs) ->
             else:
                 def run():
                     model.zero_grad(set_to_none=True)
-                    logits = fn(tokens)[0]
-                    torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+                    step(tokens).backward()
             t0 = time.perf_counter()
             run()
             _sync()
@@ -379,9 +393,9 @@ def _model_config_rows(name, kernels, dims, dev, tokens, add, compile_kwargs) ->
             extra = f"first call {first:.1f}s"
             if "xaccel" in name:
                 extra += _settle_cutlass(run)
-            add(f"{name}, {'prefill' if mode == 'inference' else 'train step'}", _bench(run, True), extra)
+            add(f"{name}, {label}", _bench(run, True), extra)
         except Exception as e:  # noqa: BLE001 - a configuration that fails is a finding
-            print(f"  {name}, {mode}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+            print(f"  {name}, {label}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
         _empty_cache()
     for b in (1, 8):  # one-token latency after a 64-token prompt, plain and in a CUDA graph
         if not wanted(f"decode B{b}"):
