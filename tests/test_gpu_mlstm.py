@@ -230,6 +230,33 @@ def test_backward_kernel_matches_analytic_backward(B, H, S, DK, DV, with_state):
     _assert_grads_close(triton_mlstm.backward(None, *cots, *x, *st, 1e-6, 64, h, [*kept, C, n, m]), want, *st[:2])
 
 
+@pytest.mark.parametrize("B,H,S,state,gates", [(8, 16, 8192, False, torch.bfloat16), (2, 3, 2500, True, torch.float32),
+                                               (1, 2, 37, True, torch.bfloat16)])
+def test_fused_route_matches_torch_route(monkeypatch, B, H, S, state, gates):
+    """mlstm_bwd_route (FUSED_ROUTE, off by default until timed) against the torch tail it
+    replaces, on the GPU (its barrier between the two passes, 1024-blocks across a long row), and
+    the whole backward with it against the analytic fp64 backward."""
+    import torch.nn.functional as F
+
+    from torch_xaccel.codegen import triton_mlstm
+    from torch_xaccel.ops.mlstm_backward import _route_max_grad
+
+    torch.manual_seed(S)
+    mk = lambda *s: torch.randn(*s, device="cuda")  # noqa: E731
+    i, f = mk(B, S, H).transpose(1, 2).to(gates), (mk(B, H, S) + 2).to(gates)
+    dm, di, dlogf, gm, dmT = mk(B, H, S), mk(B, H, S), mk(B, H, S), mk(B, H), mk(B * H, 2)
+    m0 = mk(B, H) if state else None
+    last = dm.clone()
+    last[..., -1] += gm + dmT.sum(-1).view(B, H)
+    r_di, r_dlogf, r_dm0 = _route_max_grad(last, i.float(), F.logsigmoid(f.float()).cumsum(-1), m0)
+    want = [(di + r_di).to(gates), ((dlogf + r_dlogf) * torch.sigmoid(-f.float())).to(gates)] + ([r_dm0] if state else [])
+    got = triton_mlstm.route_max_grad(dm, gm, dmT, di, dlogf, i, f, m0)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and rel_err(g, w) <= (1e-5 if gates == torch.float32 else 1e-2)
+    monkeypatch.setattr(triton_mlstm, "FUSED_ROUTE", True)
+    test_backward_kernel_matches_analytic_backward(1, 2, 257, 64, 128, True)
+
+
 def test_first_call_inside_a_cuda_graph_capture_uses_the_default_and_persists_nothing(monkeypatch, tmp_path):
     """Timing is impossible during a capture: the default config runs and nothing is written, so
     a later uncaptured call still tunes."""
