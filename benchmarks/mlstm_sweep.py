@@ -116,29 +116,30 @@ def scan_ab(shape, only=()):
     and precomputed in parallel (True): the forward (CHUNK_SCAN_FACTORS: mlstm_chunk_gates before
     the chunk-state scan) and the backward from kept chunk states, what training runs
     (SCAN_ROW_FACTORS: row factors from mlstm_bwd_rows); and that backward with mlstm_bwd_rows
-    reading the forward's den and m_t per row or recomputing q k^T (SAVED_ROWS); per-kernel
-    times, median times, and the outputs' difference between the two (bf16: both carry their
-    own rounding)."""
+    reading the forward's den and m_t per row or recomputing q k^T (SAVED_ROWS), and with its
+    tail in torch or in one kernel (FUSED_ROUTE; --route-ab runs only that); per-kernel times,
+    launches, median times, and the outputs' difference between the two (bf16: both carry their
+    own rounding). Each flag is restored afterwards."""
     x, h, dh, states = _kept_forward(shape)
+    bwd = lambda: tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h, states)  # noqa: E731
     phases = {"CHUNK_SCAN_FACTORS": lambda: tm.forward(None, *x, None, None, None, 1e-6, 64, keep_chunk_states=True),
-              "SCAN_ROW_FACTORS": lambda: tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h,
-                                                      states),
-              "SAVED_ROWS": lambda: tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h, states)}
+              "SCAN_ROW_FACTORS": bwd, "SAVED_ROWS": bwd, "FUSED_ROUTE": bwd}
     for flag, run in phases.items():
         if only and flag not in only:
             continue
-        outs = {}
+        outs, before = {}, getattr(tm, flag)
         try:
             for value in (False, True):
                 setattr(tm, flag, value)
                 outs[value] = run()
                 total, rows = kernel_times(run)
                 ms = triton.testing.do_bench(run, warmup=10, rep=50)
-                print(f"{shape} {flag}={value}: {ms:.3f} ms (kernels {total:.3f})", flush=True)
+                print(f"{shape} {flag}={value}: {ms:.3f} ms (kernels {total:.3f}, {sum(r[1] for r in rows)} launches)",
+                      flush=True)
                 for kms, k, key in rows[:6]:
                     print(f"{shape}   {kms:8.3f} ms x{k:<3d} {key[:90]}", flush=True)
         finally:
-            setattr(tm, flag, True)
+            setattr(tm, flag, before)
         errs = " ".join(f"{_rel(a, b):.1e}" for a, b in zip(outs[True][:5], outs[False][:5]))
         print(f"{shape} {flag} True vs False, first five outputs: {errs}", flush=True)
 
@@ -166,28 +167,6 @@ def backward_kept(shape, cfgs):
                 print(f"{shape} bwd kept {cfg}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
     finally:
         tm.backward_config = default_b
-
-
-def route_ab(shape):
-    """The backward from kept states with its tail (the eps term routed through the stabilizer
-    max, the gates' final gradients) in torch and in one kernel (FUSED_ROUTE): median ms, the
-    kernels' times, and the gradients' difference."""
-    x, h, dh, states = _kept_forward(shape)
-    run = lambda: tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h, states)  # noqa: E731
-    outs = {}
-    try:
-        for fused in (False, True):
-            tm.FUSED_ROUTE = fused
-            outs[fused] = run()
-            total, rows = kernel_times(run)
-            ms = triton.testing.do_bench(run, warmup=10, rep=50)
-            print(f"{shape} FUSED_ROUTE={fused}: {ms:.3f} ms (kernels {total:.3f}, {sum(r[1] for r in rows)} launches)", flush=True)
-            for kms, k, key in rows[:8]:
-                print(f"{shape}   {kms:8.3f} ms x{k:<3d} {key[:90]}", flush=True)
-    finally:
-        tm.FUSED_ROUTE = False
-    errs = " ".join(f"{_rel(a, b):.1e}" for a, b in zip(outs[True][:5], outs[False][:5]))
-    print(f"{shape} FUSED_ROUTE True vs False, dq dk dv di df: {errs}", flush=True)
 
 
 def main():
@@ -227,7 +206,7 @@ def main():
             backward_kept(shape, cands + extra)
             continue
         if args.route_ab:
-            route_ab(shape)
+            scan_ab(shape, ["FUSED_ROUTE"])
             continue
         if args.scan_ab:
             scan_ab(shape, [f for f in args.ab.split(",") if f])

@@ -602,6 +602,8 @@ def route_max_grad(dm, gm, dmT, di, dlogf, i, f, m0=None):
     """(di + routed, (dlogf + routed) * sigmoid(-f) in the gates' dtypes, the routed part of dm0
     or None) for dm [B, H, S] with gm + dmT.sum(-1) added to its last row: what _backward's torch
     tail computes with ops/mlstm_backward._route_max_grad, in one launch (mlstm_bwd_route)."""
+    from triton import next_power_of_2
+
     B, H, S = i.shape
     i, f = _strided(i), _strided(f)
     start = torch.empty(B * H * S, dtype=torch.int8, device=i.device)
@@ -609,16 +611,12 @@ def route_max_grad(dm, gm, dmT, di, dlogf, i, f, m0=None):
     df_out = torch.empty((B, H, S), dtype=f.dtype, device=i.device)
     dm0 = torch.empty((B, H), dtype=torch.float32, device=i.device) if m0 is not None else None
     NT = dmT.shape[-1]
-    block = min(1024, _next_pow2(S))
+    block = min(1024, next_power_of_2(S))
     _launch(_kernel("mlstm_bwd_route.py.jinja", i.dtype, has_state=m0 is not None), (B * H,),
             i, f, dm, gm.float().contiguous(), dmT, di, dlogf, m0.float().contiguous() if m0 is not None else dm,
             start, di_out, df_out, dm0 if dm0 is not None else dm, *_rows(i, f), S, NT,
-            NTP=_next_pow2(NT), BLOCK=block, num_warps=4)
+            NTP=next_power_of_2(NT), BLOCK=block, num_warps=4)
     return di_out, df_out, dm0
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None):

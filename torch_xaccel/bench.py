@@ -371,10 +371,11 @@ def _model_config_rows(name, kernels, dims, dev, tokens, add, compile_kwargs) ->
                                    **dims, **kernels)
             torch.manual_seed(0)
             model = xLSTMLarge(cfg).to(dev, torch.bfloat16)
-            if "loss compiled" in label:
-                compiled_loss = None if "xaccel" in name else torch.compile(loss)
-                step = (torch.compile(lambda t: loss(model(t)[0]), backend="xaccel", **compile_kwargs)
-                        if "xaccel" in name else lambda t: compiled_loss(model(t)[0]))
+            if "loss compiled" in label and "xaccel" in name:
+                step = torch.compile(lambda t: loss(model(t)[0]), backend="xaccel", **compile_kwargs)
+            elif "loss compiled" in label:
+                compiled_loss = torch.compile(loss)
+                step = lambda t: compiled_loss(model(t)[0])  # noqa: E731
             else:
                 fn = torch.compile(model, backend="xaccel", **compile_kwargs) if "xaccel" in name else model
                 step = lambda t: loss(fn(t)[0])  # noqa: E731
