@@ -109,6 +109,19 @@ def profile(shape):
         fresh = triton.testing.do_bench(fwd_bwd, warmup=10, rep=50, grad_to_none=x)
         print(f"{shape} {name}: fwd+bwd {acc:.3f} ms with .grad accumulating, {fresh:.3f} ms with .grad reset",
               flush=True)
+    kernel_resources()
+
+
+def kernel_resources():
+    """Registers per thread, spilled bytes and shared memory of every generated mLSTM kernel
+    compiled so far, as ptxas of the GPU's Triton reports them (occupancy: 64K registers and
+    228 KB shared memory per H100/H200 SM); a local compile report does not predict these."""
+    for fn in tm._KERNELS.values():
+        for caches in getattr(fn, "device_caches", {}).values():
+            for k in caches[0].values():
+                if getattr(k, "n_regs", None) is not None:
+                    print(f"  {k.name[:40]:40s} warps {k.metadata.num_warps} regs {k.n_regs:3d} "
+                          f"spills {k.n_spills:5d} B shared {k.metadata.shared:6d} B", flush=True)
 
 
 def scan_ab(shape, only=()):

@@ -375,12 +375,12 @@ SAVED_ROWS = True
 # the backward from kept chunk states reads each row's den and m_t, stored by the forward, in
 # mlstm_bwd_rows instead of recomputing q k^T there (False: recompute, for mlstm_sweep.py --scan-ab)
 
-FUSED_ROUTE = False
+FUSED_ROUTE = True
 # the backward's last step, the eps term routed through the stabilizer max and the gates' final
 # gradients, in one Triton kernel per row (mlstm_bwd_route) instead of ~12 small torch launches
-# (~0.13 ms at B8 NH16 S8192 on the H200). Checked in the interpreter against the torch path
-# (tests/test_triton_mlstm_interpreter.py), not yet timed on the GPU: off until
-# benchmarks/mlstm_sweep.py --route-ab has run there.
+# and a cummax (H200, backward from kept states, benchmarks/mlstm_sweep.py --route-ab: 2.759 ->
+# 2.560 ms at B8 NH16 S8192 128/128, 3.562 -> 3.432 at B8 NH8 S4096 256/512, 1.025 -> 0.928 at the
+# model's B4 NH8 S2048; gradients equal to 1.5e-5). False: the torch tail, for that A/B.
 
 READ_STRIDED = True  # False: copy every non-contiguous input first (benchmarks/mlstm_layout_probe.py times both)
 

@@ -233,9 +233,10 @@ def test_backward_kernel_matches_analytic_backward(B, H, S, DK, DV, with_state):
 @pytest.mark.parametrize("B,H,S,state,gates", [(8, 16, 8192, False, torch.bfloat16), (2, 3, 2500, True, torch.float32),
                                                (1, 2, 37, True, torch.bfloat16)])
 def test_fused_route_matches_torch_route(monkeypatch, B, H, S, state, gates):
-    """mlstm_bwd_route (FUSED_ROUTE, off by default until timed) against the torch tail it
-    replaces, on the GPU (its barrier between the two passes, 1024-blocks across a long row), and
-    the whole backward with it against the analytic fp64 backward."""
+    """mlstm_bwd_route (FUSED_ROUTE, the default) against the torch tail it replaces, on the GPU
+    (its barrier between the two passes, 1024-blocks across a long row); then the whole backward
+    with the torch tail (kept for the A/B in mlstm_sweep.py --route-ab) against the analytic fp64
+    backward, as every other backward test checks the fused one."""
     import torch.nn.functional as F
 
     from torch_xaccel.codegen import triton_mlstm
@@ -253,7 +254,7 @@ def test_fused_route_matches_torch_route(monkeypatch, B, H, S, state, gates):
     got = triton_mlstm.route_max_grad(dm, gm, dmT, di, dlogf, i, f, m0)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and rel_err(g, w) <= (1e-5 if gates == torch.float32 else 1e-2)
-    monkeypatch.setattr(triton_mlstm, "FUSED_ROUTE", True)
+    monkeypatch.setattr(triton_mlstm, "FUSED_ROUTE", False)
     test_backward_kernel_matches_analytic_backward(1, 2, 257, 64, 128, True)
 
 
