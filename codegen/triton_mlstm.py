@@ -622,6 +622,7 @@ def route_max_grad(dm, gm, dmT, di, dlogf, i, f, m0=None):
 def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None):
     import torch.nn.functional as F
 
+    from torch_xaccel.ops.mlstm import gradient_like
     from torch_xaccel.ops.mlstm_backward import _route_max_grad
 
     B, H, S, DK = q.shape
@@ -652,14 +653,14 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, row_factors=SCAN_ROW_FACTORS),
         (B * H, DK // BK, DV // BVS), q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0,
         *factors, *_rows(q, dh, i, f), S, NC, NT, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=_scan_warps(cfg), num_stages=stages)
-    # contiguous gradients, as the op's fake promises (empty_like would copy a transposed q's strides)
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=dev) for t in (q, k, v))
+    # in the layout the op's fake promises (ops/mlstm.gradient_strides: a dense transposed view's own)
+    dq, dk, dv = (gradient_like(t) for t in (q, k, v))
     di, dlogf = torch.empty(B, H, S, device=dev, dtype=f32), torch.empty(B, H, S, device=dev, dtype=f32)
     if DVS:
         kdcv = torch.empty(B * H * NC * (DV // DVS) * L, device=dev, dtype=f32)  # its k.dC.v row sums
         _launch(_kernel("mlstm_bwd_dv.py.jinja", q.dtype), (B * H, NC, DV // DVS),
             q, k, v, i, f, dh, ms, dCs, N, dv, kdcv,
-            *_rows(q, k, v, i, f, dh), S, NC, DK ** -0.5, DK=DK, DV=DV, BV=DVS, L=L, num_warps=warps, num_stages=stages)
+            *_rows(q, k, v, i, f, dh, dv), S, NC, DK ** -0.5, DK=DK, DV=DV, BV=DVS, L=L, num_warps=warps, num_stages=stages)
     dg = dg.sum(-1)  # per (chunk, scan tile) parts of the forget term
     if DKS:  # dS scratch: L/DK of q's size (128 MiB at B8 NH16 S8192 128/128)
         dS = torch.empty(B * H * NC * L * L, device=dev, dtype=q.dtype)
@@ -667,11 +668,12 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     _launch(_kernel("mlstm_bwd.py.jinja", q.dtype, split_dv=bool(DVS), dv_tiles=DV // DVS if DVS else 0,
                     split_dqdk=bool(DKS)), (B * H, NC),
         q, k, v, i, f, dh, Cs, ns, ms, dCs, dns, dg, N, dden, hdh, *((dS, wu) if DKS else (dq, dk)),
-        kdcv if DVS else dv, di, dlogf, *_rows(q, k, v, i, f, dh), S, NC, DK ** -0.5,
+        kdcv if DVS else dv, di, dlogf, *_rows(q, k, v, i, f, dh, *(() if DKS else (dq, dk)), *(() if DVS else (dv,))),
+        S, NC, DK ** -0.5,
         DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     if DKS:
         _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype), (B * H, NC, DK // DKS),
-            q, k, v, dh, Cs, ns, dCs, dns, N, dden, dS, wu, dq, dk, *_rows(q, k, v, dh), S, NC, DK ** -0.5,
+            q, k, v, dh, Cs, ns, dCs, dns, N, dden, dS, wu, dq, dk, *_rows(q, k, v, dh, dq, dk), S, NC, DK ** -0.5,
             DK=DK, DV=DV, BK=DKS, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     m0s = m0.float() if C0 is not None else None
     if FUSED_ROUTE:

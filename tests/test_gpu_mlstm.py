@@ -56,6 +56,7 @@ def test_every_tuning_candidate_matches_reference(DK, DV):
     k and dh sliced from wider rows (a fused projection), v and f contiguous. The kernels read
     them through their strides."""
     from torch_xaccel.codegen import triton_mlstm
+    from torch_xaccel.ops.mlstm import gradient_strides
     from torch_xaccel.ops.mlstm_backward import backward as analytic
 
     torch.manual_seed(DK)
@@ -79,6 +80,8 @@ def test_every_tuning_candidate_matches_reference(DK, DV):
     for cfg in triton_mlstm.backward_candidates(DK, DV):
         got = triton_mlstm._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, h)
         _assert_grads_close(got, want_g, st[0], st[1])
+        # dq in q's transposed layout (a dense view), dk and dv contiguous: what the op's fake promises
+        assert [g.stride() for g in got[:3]] == [gradient_strides(t) for t in x[:3]], cfg
 
 
 @pytest.mark.parametrize("DK,DV", [(128, 128), (256, 512), (512, 512)])

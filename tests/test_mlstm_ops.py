@@ -166,3 +166,39 @@ def test_analytic_backward_equals_autograd_of_reference(S, chunk, with_state, ga
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert _rel(g, w) < 1e-12
+
+
+def test_backward_gives_dq_dk_dv_in_their_inputs_dense_layout_as_its_fake_promises():
+    """xaccel::mlstm_backward writes the gradient of a dense transposed view (a model's [B, S, H, D]
+    projection seen as [B, H, S, D]) in that view's strides, so it flows back through the
+    transpose and reshape without a copy; a slice of wider rows (not dense) gets a contiguous
+    one. The fake promises the same strides (opcheck compares fake and real outputs), and a
+    compiled graph built on those strides gives eager's gradients."""
+    from torch_xaccel.ops.mlstm import gradient_strides
+
+    g = torch.Generator().manual_seed(7)
+    B, H, S, DK, DV = 2, 3, 19, 8, 12
+    mk = lambda *s: torch.randn(*s, dtype=torch.float64, generator=g)  # noqa: E731
+    q = mk(B, S, H, DK).transpose(1, 2)               # dense, transposed
+    k = mk(B, S, H, 2 * DK)[..., :DK].transpose(1, 2)  # sliced from wider rows: not dense
+    v = mk(B, H, S, DV)
+    i, f = mk(B, H, S), mk(B, H, S) + 2
+    h = torch.ops.xaccel.mlstm(q, k, v, i, f, None, None, None, 1e-6, 8)[0]
+    args = (mk(*h.shape), None, None, None, q, k, v, i, f, None, None, None, 1e-6, 8, h, [])
+    dq, dk, dv, *_ = torch.ops.xaccel.mlstm_backward(*args)
+    assert dq.stride() == q.stride() == gradient_strides(q) and not dq.is_contiguous()
+    assert dk.is_contiguous() and dv.is_contiguous()
+    torch.library.opcheck(torch.ops.xaccel.mlstm_backward.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+    def loss(xq, xk, xv, i, f):  # projections handed over as transposed views, as a model does
+        hh = torch.ops.xaccel.mlstm(xq.view(B, S, H, DK).transpose(1, 2), xk.view(B, S, H, DK).transpose(1, 2),
+                                    xv.view(B, S, H, DV).transpose(1, 2), i, f, None, None, None, 1e-6, 8)[0]
+        return (hh * torch.arange(hh.numel(), dtype=hh.dtype).view(hh.shape).cos()).sum()
+
+    x = [mk(B, S, H * DK).requires_grad_(), mk(B, S, H * DK).requires_grad_(), mk(B, S, H * DV).requires_grad_(),
+         i.requires_grad_(), f.requires_grad_()]
+    want = torch.autograd.grad(loss(*x), x)
+    got = torch.autograd.grad(torch.compile(loss, backend="aot_eager", fullgraph=True)(*x), x)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)

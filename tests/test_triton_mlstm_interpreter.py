@@ -38,6 +38,7 @@ SCRIPT = textwrap.dedent("""
             errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want)]
             print("step", (B, H, DK, DV), scale_q, " ".join(f"{e:.1e}" for e in errs))
             bad += not all(e <= 1e-5 for e in errs)  # NaN fails too
+    from torch_xaccel.ops.mlstm import gradient_strides
     from torch_xaccel.ops.mlstm_backward import backward as analytic
     for B, H, S, DK, DV, with_state in [(2, 3, 37, 16, 32, False), (1, 1, 70, 32, 16, True)]:
         # the first case reads views as a model hands them over, each input in its own layout (a
@@ -59,6 +60,8 @@ SCRIPT = textwrap.dedent("""
         errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want) if w is not None]
         print("bwd", (B, H, S, DK, DV, with_state), " ".join(f"{e:.1e}" for e in errs))
         bad += not all(e <= 1e-5 for e in errs)  # NaN fails too
+        # dq, dk, dv written in the layout the op's fake promises (q's own: it is a dense view)
+        bad += any(g.stride() != gradient_strides(t) for g, t in zip(got[:3], x[:3]))
     raise SystemExit(bad)
 """)
 
@@ -74,6 +77,7 @@ CANDIDATES_SCRIPT = textwrap.dedent("""
     import os, torch
     os.environ["TRITON_INTERPRET"] = "1"
     from torch_xaccel.ops import mlstm
+    from torch_xaccel.ops.mlstm import gradient_strides
     from torch_xaccel.ops.mlstm_backward import backward as analytic
     from torch_xaccel.codegen import triton_mlstm
     torch.manual_seed(1)
@@ -101,6 +105,7 @@ CANDIDATES_SCRIPT = textwrap.dedent("""
             errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want_g)]
             print("bwd", DK, DV, cfg, " ".join(f"{e:.1e}" for e in errs))
             bad += not all(e <= 1e-5 for e in errs)  # NaN fails too
+            bad += any(g.stride() != gradient_strides(t) for g, t in zip(got[:3], x[:3]))  # q's layout: dq
     raise SystemExit(bad)
 """)
 

@@ -245,6 +245,46 @@ def _triton_backward(key, gh, gC, gn, gm, q, *args):
     return triton_mlstm.backward(key, gh, gC, gn, gm, q, *args)
 
 
+def gradient_strides(t: Tensor) -> tuple[int, ...]:
+    """The strides of the gradient xaccel::mlstm_backward returns for input t: t's own when t is
+    a dense [B, H, S, D] with unit stride along D (the usual transposed projection, [B, S, H, D]
+    seen as [B, H, S, D]: its gradient then flows back through the transpose and the reshape as
+    a view, where a contiguous one costs a copy per input and layer), else contiguous. The fake
+    and every path of the backward follow this one rule, so that they agree."""
+    if t.dim() == 4 and t.stride(-1) == 1 and _dense(t):
+        return tuple(t.stride())
+    strides, step = [], 1
+    for d in reversed(t.shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def _dense(t: Tensor) -> bool:
+    """Whether t's elements fill one block of memory without gaps or overlaps, in any dim order."""
+    step = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != step:
+            return False
+        step *= size
+    return True
+
+
+def gradient_like(t: Tensor) -> Tensor:
+    """An empty gradient buffer for input t, in gradient_strides(t)."""
+    return t.new_empty_strided(t.shape, gradient_strides(t))
+
+
+def _in_gradient_layout(g: Tensor, t: Tensor) -> Tensor:
+    """g as the fake promises it: the kernels write q, k, v's gradients in gradient_strides
+    already; the reference's (and a copied input's) are copied into that layout."""
+    if g.stride() == gradient_strides(t):
+        return g
+    out = gradient_like(t)
+    out.copy_(g)
+    return out
+
+
 @torch.library.custom_op("xaccel::mlstm_backward", mutates_args=())
 def mlstm_backward(gh: Tensor | None, gC: Tensor | None, gn: Tensor | None, gm: Tensor | None, q: Tensor, k: Tensor,
                    v: Tensor, i: Tensor, f: Tensor, C0: Tensor | None, n0: Tensor | None, m0: Tensor | None,
@@ -257,13 +297,15 @@ def mlstm_backward(gh: Tensor | None, gC: Tensor | None, gn: Tensor | None, gm: 
     when their chunk length is chunk_size)."""
     grads = runtime.dispatch("mlstm_backward", _backward_key, _backward_reference,
                              gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states)
-    return [g.contiguous() for g in grads if g is not None]
+    dqkv = [_in_gradient_layout(g, t) for g, t in zip(grads[:3], (q, k, v))]
+    return dqkv + [g.contiguous() for g in grads[3:] if g is not None]
 
 
 @mlstm_backward.register_fake
 def _backward_fake(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states):
-    # contiguous, like the real gradients (empty_like would copy q's strides, e.g. a transposed view)
-    return [t.new_empty(t.shape) for t in (q, k, v, i, f, *((C0, n0, m0) if C0 is not None else ()))]
+    # dq, dk, dv in gradient_strides (their input's layout when dense), the rest contiguous
+    return [gradient_like(t) for t in (q, k, v)] + [t.new_empty(t.shape) for t in
+                                                    (i, f, *((C0, n0, m0) if C0 is not None else ()))]
 
 
 def _backward(ctx, gh, gC, gn, gm, *_kept_grads):
