@@ -1,9 +1,11 @@
 """Reading transposed projections in place or copying them first: the mLSTM op on [B, S, H, D]
 tensors viewed as [B, H, S, D] (what a model hands over), with triton_mlstm.READ_STRIDED on and
 off, against contiguous inputs; per-kernel profile of both; then the 7B-width xLSTMLarge (rest
-by Inductor) train step and prefill both ways. Run on the GPU machine:
+by Inductor) train step and prefill both ways. --gradients: only that train step with the
+backward's dq, dk, dv in their inputs' layout (ops/mlstm.GRADIENTS_IN_INPUT_LAYOUT) and contiguous.
+Run on the GPU machine:
 
-    python benchmarks/mlstm_layout_probe.py [--no-model]
+    python benchmarks/mlstm_layout_probe.py [--no-model] [--gradients]
 """
 import argparse
 import sys
@@ -52,8 +54,12 @@ def profile(shape, label, fn):
         print(f"{shape} {label}:   {ms:7.3f} ms x{n:<3d} {key[:80]}", flush=True)
 
 
-def model_rows():
+def model_rows(gradients=False):
+    """The model both ways; gradients: the train step with dq, dk, dv in their inputs' layout
+    (True) or contiguous (False) instead of READ_STRIDED."""
     import os
+
+    from torch_xaccel.ops import mlstm
 
     os.environ["XACCEL_FALLBACK"] = "inductor"
     import torch._dynamo
@@ -61,24 +67,32 @@ def model_rows():
 
     torch._dynamo.config.cache_size_limit = 64
     ids = torch.randint(0, 50304, (4, 2048), device="cuda")
-    for mode in ("train", "prefill"):
-        for strided in (True, False, True):
-            tm.READ_STRIDED = strided
+    for mode in ("train",) if gradients else ("train", "prefill"):
+        for on in (True, False, True):
+            if gradients:
+                mlstm.GRADIENTS_IN_INPUT_LAYOUT = on
+            else:
+                tm.READ_STRIDED = on
             torch._dynamo.reset()
             m = model("inference" if mode == "prefill" else "train")
             fn = torch.compile(m, backend="xaccel")
             ms = triton.testing.do_bench(lambda: step(mode, m, fn, ids), warmup=3, rep=20)
-            print(f"xLSTMLarge 7B widths B4 S2048, rest by Inductor, {mode}: inputs "
-                  f"{'read in place' if strided else 'copied first'}: {ms:.3f} ms", flush=True)
-    tm.READ_STRIDED = True
+            what = ("gradients in the inputs' layout" if on else "contiguous gradients") if gradients else \
+                ("inputs read in place" if on else "inputs copied first")
+            print(f"xLSTMLarge 7B widths B4 S2048, rest by Inductor, {mode}: {what}: {ms:.3f} ms", flush=True)
+    tm.READ_STRIDED = mlstm.GRADIENTS_IN_INPUT_LAYOUT = True
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-model", action="store_true")
+    ap.add_argument("--gradients", action="store_true", help="only the train step, gradient layouts A/B")
     args = ap.parse_args()
     import torch_xaccel  # noqa: F401 - registers the op
 
+    if args.gradients:
+        model_rows(gradients=True)
+        return
     for shape in SHAPES:
         op_rows(shape)
     if not args.no_model:

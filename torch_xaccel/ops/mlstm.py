@@ -245,13 +245,16 @@ def _triton_backward(key, gh, gC, gn, gm, q, *args):
     return triton_mlstm.backward(key, gh, gC, gn, gm, q, *args)
 
 
+GRADIENTS_IN_INPUT_LAYOUT = True  # False: always contiguous (benchmarks/mlstm_layout_probe.py --gradients A/B)
+
+
 def gradient_strides(t: Tensor) -> tuple[int, ...]:
     """The strides of the gradient xaccel::mlstm_backward returns for input t: t's own when t is
     a dense [B, H, S, D] with unit stride along D (the usual transposed projection, [B, S, H, D]
     seen as [B, H, S, D]: its gradient then flows back through the transpose and the reshape as
     a view, where a contiguous one costs a copy per input and layer), else contiguous. The fake
     and every path of the backward follow this one rule, so that they agree."""
-    if t.dim() == 4 and t.stride(-1) == 1 and _dense(t):
+    if GRADIENTS_IN_INPUT_LAYOUT and t.dim() == 4 and t.stride(-1) == 1 and _dense(t):
         return tuple(t.stride())
     strides, step = [], 1
     for d in reversed(t.shape):
