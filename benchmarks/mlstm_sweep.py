@@ -130,13 +130,15 @@ def scan_ab(shape, only=()):
     the chunk-state scan) and the backward from kept chunk states, what training runs
     (SCAN_ROW_FACTORS: row factors from mlstm_bwd_rows); and that backward with mlstm_bwd_rows
     reading the forward's den and m_t per row or recomputing q k^T (SAVED_ROWS), and with its
-    tail in torch or in one kernel (FUSED_ROUTE; --route-ab runs only that); per-kernel times,
+    tail in torch or in one kernel (FUSED_ROUTE; --route-ab runs only that), and with the gates'
+    gradients from the row sums q.dq and k.dk or the per-chunk gate algebra (GATES_FROM_ROW_SUMS,
+    `--ab GATES_FROM_ROW_SUMS`); per-kernel times,
     launches, median times, and the outputs' difference between the two (bf16: both carry their
     own rounding). Each flag is restored afterwards."""
     x, h, dh, states = _kept_forward(shape)
     bwd = lambda: tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h, states)  # noqa: E731
     phases = {"CHUNK_SCAN_FACTORS": lambda: tm.forward(None, *x, None, None, None, 1e-6, 64, keep_chunk_states=True),
-              "SCAN_ROW_FACTORS": bwd, "SAVED_ROWS": bwd, "FUSED_ROUTE": bwd}
+              "SCAN_ROW_FACTORS": bwd, "SAVED_ROWS": bwd, "FUSED_ROUTE": bwd, "GATES_FROM_ROW_SUMS": bwd}
     for flag, run in phases.items():
         if only and flag not in only:
             continue

@@ -375,6 +375,14 @@ SAVED_ROWS = True
 # the backward from kept chunk states reads each row's den and m_t, stored by the forward, in
 # mlstm_bwd_rows instead of recomputing q k^T there (False: recompute, for mlstm_sweep.py --scan-ab)
 
+GATES_FROM_ROW_SUMS = True
+# the split candidates (DKS) take the gates' gradients with the stabilizers fixed from q.dq and
+# k.dk per row (di = k.dk, dlogf a reverse cumsum of q.dq - k.dk plus the final state's term;
+# exact, see mlstm_bwd_ds.py.jinja), summed in mlstm_bwd_dqdk from its fp32 gradients: the
+# per-chunk kernel drops its gate algebra and the reverse scan its <dC, C> term and stored-state
+# reads (False: the per-chunk gate algebra, mlstm_bwd.py.jinja, for the A/B in
+# benchmarks/mlstm_sweep.py --scan-ab)
+
 FUSED_ROUTE = True
 # the backward's last step, the eps term routed through the stabilizer max and the gates' final
 # gradients, in one Triton kernel per row (mlstm_bwd_route) instead of ~12 small torch launches
@@ -598,10 +606,11 @@ def _kept_states(chunk_states, q, v, chunk_size):
             tuple(t.float().contiguous() for t in (C, n, m)))
 
 
-def route_max_grad(dm, gm, dmT, di, dlogf, i, f, m0=None):
+def route_max_grad(dm, gm, dmT, di, dlogf, i, f, m0=None, rs=None):
     """(di + routed, (dlogf + routed) * sigmoid(-f) in the gates' dtypes, the routed part of dm0
     or None) for dm [B, H, S] with gm + dmT.sum(-1) added to its last row: what _backward's torch
-    tail computes with ops/mlstm_backward._route_max_grad, in one launch (mlstm_bwd_route)."""
+    tail computes with ops/mlstm_backward._route_max_grad, in one launch (mlstm_bwd_route). With
+    rs (q.dq and k.dk per row and DK tile, [B*H, tiles, 2, S]) di and dlogf come from those."""
     from triton import next_power_of_2
 
     B, H, S = i.shape
@@ -612,8 +621,9 @@ def route_max_grad(dm, gm, dmT, di, dlogf, i, f, m0=None):
     dm0 = torch.empty((B, H), dtype=torch.float32, device=i.device) if m0 is not None else None
     NT = dmT.shape[-1]
     block = min(1024, next_power_of_2(S))
-    _launch(_kernel("mlstm_bwd_route.py.jinja", i.dtype, has_state=m0 is not None), (B * H,),
-            i, f, dm, gm.float().contiguous(), dmT, di, dlogf, m0.float().contiguous() if m0 is not None else dm,
+    gates = (rs, rs.numel() // (B * H * 2 * S)) if rs is not None else (di, dlogf)
+    _launch(_kernel("mlstm_bwd_route.py.jinja", i.dtype, has_state=m0 is not None, row_sums=rs is not None), (B * H,),
+            i, f, dm, gm.float().contiguous(), dmT, *gates, m0.float().contiguous() if m0 is not None else dm,
             start, di_out, df_out, dm0 if dm0 is not None else dm, *_rows(i, f), S, NT,
             NTP=next_power_of_2(NT), BLOCK=block, num_warps=4)
     return di_out, df_out, dm0
@@ -648,37 +658,52 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     dC0, dn0 = torch.empty_like(gC), torch.empty_like(gn)
     DVS = cfg.get("DVS")  # split variant: dv in its own kernel, one program per DV tile
     DKS = cfg.get("DKS")  # and dq, dk in theirs, one program per DK tile (without DVS: dv stays in mlstm_bwd)
-    dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)
+    by_rows = bool(DKS) and GATES_FROM_ROW_SUMS  # the gates' gradients from q.dq and k.dk (mlstm_bwd_ds)
     dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
-    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, row_factors=SCAN_ROW_FACTORS),
+    dg = dmT if by_rows else torch.empty(B * H, NC, NT, device=dev, dtype=f32)  # (dmT: a placeholder)
+    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, row_factors=SCAN_ROW_FACTORS, dg_term=not by_rows),
         (B * H, DK // BK, DV // BVS), q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0,
         *factors, *_rows(q, dh, i, f), S, NC, NT, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=_scan_warps(cfg), num_stages=stages)
     # in the layout the op's fake promises (ops/mlstm.gradient_strides: a dense transposed view's own)
     dq, dk, dv = (gradient_like(t) for t in (q, k, v))
-    di, dlogf = torch.empty(B, H, S, device=dev, dtype=f32), torch.empty(B, H, S, device=dev, dtype=f32)
+    di = dlogf = rs = None
+    if by_rows:  # q.dq and k.dk per row and DK tile
+        rs = torch.empty(B * H * (DK // DKS) * 2 * S, device=dev, dtype=f32)
+    else:
+        di, dlogf = torch.empty(B, H, S, device=dev, dtype=f32), torch.empty(B, H, S, device=dev, dtype=f32)
     if DVS:
-        kdcv = torch.empty(B * H * NC * (DV // DVS) * L, device=dev, dtype=f32)  # its k.dC.v row sums
-        _launch(_kernel("mlstm_bwd_dv.py.jinja", q.dtype), (B * H, NC, DV // DVS),
+        kdcv = dv if by_rows else torch.empty(B * H * NC * (DV // DVS) * L, device=dev, dtype=f32)  # its k.dC.v row sums
+        _launch(_kernel("mlstm_bwd_dv.py.jinja", q.dtype, row_sums=by_rows), (B * H, NC, DV // DVS),
             q, k, v, i, f, dh, ms, dCs, N, dv, kdcv,
             *_rows(q, k, v, i, f, dh, dv), S, NC, DK ** -0.5, DK=DK, DV=DV, BV=DVS, L=L, num_warps=warps, num_stages=stages)
-    dg = dg.sum(-1)  # per (chunk, scan tile) parts of the forget term
     if DKS:  # dS scratch: L/DK of q's size (128 MiB at B8 NH16 S8192 128/128)
         dS = torch.empty(B * H * NC * L * L, device=dev, dtype=q.dtype)
         wu = torch.empty(B * H * NC * 2 * L, device=dev, dtype=f32)
-    _launch(_kernel("mlstm_bwd.py.jinja", q.dtype, split_dv=bool(DVS), dv_tiles=DV // DVS if DVS else 0,
-                    split_dqdk=bool(DKS)), (B * H, NC),
-        q, k, v, i, f, dh, Cs, ns, ms, dCs, dns, dg, N, dden, hdh, *((dS, wu) if DKS else (dq, dk)),
-        kdcv if DVS else dv, di, dlogf, *_rows(q, k, v, i, f, dh, *(() if DKS else (dq, dk)), *(() if DVS else (dv,))),
-        S, NC, DK ** -0.5,
-        DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
+    if by_rows:
+        _launch(_kernel("mlstm_bwd_ds.py.jinja", q.dtype, split_dv=bool(DVS)), (B * H, NC),
+            q, k, v, i, f, dh, ms, dCs, N, dden, dS, wu, dv, *_rows(q, k, v, i, f, dh, *(() if DVS else (dv,))),
+            S, NC, DK ** -0.5, DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
+    else:
+        dg = dg.sum(-1)  # per (chunk, scan tile) parts of the forget term
+        _launch(_kernel("mlstm_bwd.py.jinja", q.dtype, split_dv=bool(DVS), dv_tiles=DV // DVS if DVS else 0,
+                        split_dqdk=bool(DKS)), (B * H, NC),
+            q, k, v, i, f, dh, Cs, ns, ms, dCs, dns, dg, N, dden, hdh, *((dS, wu) if DKS else (dq, dk)),
+            kdcv if DVS else dv, di, dlogf, *_rows(q, k, v, i, f, dh, *(() if DKS else (dq, dk)), *(() if DVS else (dv,))),
+            S, NC, DK ** -0.5,
+            DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     if DKS:
-        _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype), (B * H, NC, DK // DKS),
-            q, k, v, dh, Cs, ns, dCs, dns, N, dden, dS, wu, dq, dk, *_rows(q, k, v, dh, dq, dk), S, NC, DK ** -0.5,
+        _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype, row_sums=by_rows), (B * H, NC, DK // DKS),
+            q, k, v, dh, Cs, ns, dCs, dns, N, dden, dS, wu, dq, dk, *((rs,) if by_rows else ()),
+            *_rows(q, k, v, dh, dq, dk), S, NC, DK ** -0.5,
             DK=DK, DV=DV, BK=DKS, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     m0s = m0.float() if C0 is not None else None
     if FUSED_ROUTE:
-        di_out, df_out, r_dm0 = route_max_grad(dm, gm, dmT, di, dlogf, i, f, m0s)
+        di_out, df_out, r_dm0 = route_max_grad(dm, gm, dmT, di, dlogf, i, f, m0s, rs)
     else:
+        if by_rows:  # the gates' gradients with the stabilizers fixed, from the row sums (mlstm_bwd_ds)
+            r = rs.view(B, H, DK // DKS, 2, S).sum(2)
+            di = r[:, :, 1]
+            dlogf = (r[:, :, 0] - r[:, :, 1]).flip(-1).cumsum(-1).flip(-1) - dmT.sum(-1).view(B, H, 1)
         dm[..., -1] += gm + dmT.sum(-1).view(B, H)
         i32, f32_ = i.float(), f.float()
         r_di, r_dlogf, r_dm0 = _route_max_grad(dm, i32, F.logsigmoid(f32_).cumsum(-1), m0s)

@@ -106,6 +106,14 @@ CANDIDATES_SCRIPT = textwrap.dedent("""
             print("bwd", DK, DV, cfg, " ".join(f"{e:.1e}" for e in errs))
             bad += not all(e <= 1e-5 for e in errs)  # NaN fails too
             bad += any(g.stride() != gradient_strides(t) for g, t in zip(got[:3], x[:3]))  # q's layout: dq
+        for cfg in [c for c in triton_mlstm.backward_candidates(DK, DV) if c.get("DKS")]:
+            # the split candidates' per-chunk gate algebra, kept for the A/B against the row sums
+            triton_mlstm.GATES_FROM_ROW_SUMS = False
+            got = triton_mlstm._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, want[0].float())
+            triton_mlstm.GATES_FROM_ROW_SUMS = True
+            errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want_g)]
+            print("bwd gate algebra", DK, DV, cfg, " ".join(f"{e:.1e}" for e in errs))
+            bad += not all(e <= 1e-5 for e in errs)  # NaN fails too
     raise SystemExit(bad)
 """)
 
@@ -121,7 +129,8 @@ def test_every_gpu_tuning_candidate_in_interpreter(tmp_path):
     from torch_xaccel.codegen import triton_mlstm
 
     n = sum(len(triton_mlstm._unique(triton_mlstm.forward_candidates(*hd) + triton_mlstm.sliced_sweep_configs(*hd)))
-            + len(triton_mlstm.backward_candidates(*hd)) for hd in ((512, 64), (128, 128)))
+            + len(triton_mlstm.backward_candidates(*hd)) + sum(bool(c.get("DKS")) for c in triton_mlstm.backward_candidates(*hd))
+            for hd in ((512, 64), (128, 128)))
     assert proc.stdout.count("\n") == n, proc.stdout
 
 
@@ -277,6 +286,8 @@ def test_compile_report_builds_every_default_mlstm_kernel_for_sm90(tmp_path):
     (stride arguments typed as pointers after the strided reads)."""
     import triton
 
+    from torch_xaccel.codegen import triton_mlstm
+
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
     if not os.path.exists(ptxas):
         pytest.skip("this Triton bundles no ptxas-blackwell")
@@ -288,7 +299,8 @@ def test_compile_report_builds_every_default_mlstm_kernel_for_sm90(tmp_path):
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("mlstm_")]
     names = {ln.split()[0] for ln in lines}
     assert {"mlstm_chunk_gates", "mlstm_chunk_states", "mlstm_fwd", "mlstm_bwd_rows", "mlstm_bwd_states",
-            "mlstm_bwd"} <= names, proc.stdout
+            "mlstm_bwd" if not triton_mlstm.GATES_FROM_ROW_SUMS else "mlstm_bwd_ds", "mlstm_bwd_dqdk",
+            "mlstm_bwd_route"} <= names, proc.stdout
     assert all("regs " in ln and "over the" not in ln for ln in lines), proc.stdout
 
 
