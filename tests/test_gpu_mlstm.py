@@ -48,7 +48,7 @@ def _compile_concurrently(fwd, bwd, x, st, cots, h):
 
 
 @pytest.mark.parametrize("DK,DV", [(128, 128), (256, 512), (512, 512), (512, 64)])
-def test_every_tuning_candidate_matches_reference(DK, DV):
+def test_every_tuning_candidate_matches_reference(monkeypatch, DK, DV):
     """Whatever config tuning picks must be right: each forward and backward candidate against
     the fp64 reference / analytic backward, bf16, odd S, with a state (DQK 512: its own, smaller
     configs). Inputs and dh are views as a model's projections hand them over, each in its own
@@ -82,6 +82,11 @@ def test_every_tuning_candidate_matches_reference(DK, DV):
         _assert_grads_close(got, want_g, st[0], st[1])
         # dq in q's transposed layout (a dense view), dk and dv contiguous: what the op's fake promises
         assert [g.stride() for g in got[:3]] == [gradient_strides(t) for t in x[:3]], cfg
+    for cfg in [c for c in triton_mlstm.backward_candidates(DK, DV) if c.get("DKS")]:
+        # and the split candidates' other way to the gates' gradients (GATES_FROM_ROW_SUMS)
+        monkeypatch.setattr(triton_mlstm, "GATES_FROM_ROW_SUMS", not triton_mlstm.GATES_FROM_ROW_SUMS)
+        _assert_grads_close(triton_mlstm._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, h), want_g, st[0], st[1])
+        monkeypatch.undo()
 
 
 @pytest.mark.parametrize("DK,DV", [(128, 128), (256, 512), (512, 512)])
@@ -235,10 +240,11 @@ def test_backward_kernel_matches_analytic_backward(B, H, S, DK, DV, with_state):
 
 @pytest.mark.parametrize("S,DK,DV,with_state", [(8192, 128, 128, True), (4096, 256, 512, False)])
 def test_gate_gradients_from_row_sums_as_accurate_as_the_gate_algebra(monkeypatch, S, DK, DV, with_state):
-    """GATES_FROM_ROW_SUMS (di = k.dk, dlogf a reverse cumsum of q.dq - k.dk over the whole row)
-    against the per-chunk gate algebra it replaces, both against the fp64 analytic backward, in
-    bf16 over long rows, where the cumsum runs across 128 / 64 chunks: di and df within twice the
-    old method's error (or 1e-2), the other gradients unchanged in kind."""
+    """GATES_FROM_ROW_SUMS (di = k.dk; dlogf a reverse cumsum of q.dq - k.dk inside each chunk
+    plus <C, dC> at its end) against the per-chunk gate algebra, both against the fp64 analytic
+    backward, in bf16 over long rows (128 / 64 chunks): di and df within twice the old method's
+    error (or 1e-2). A cumsum over the whole row, without <C, dC>, failed this on the H200 (df
+    2.3e-2 against 3.3e-3 at S 8192: bf16 state rounding accumulated along the row)."""
     from torch_xaccel.codegen import triton_mlstm
     from torch_xaccel.ops.mlstm_backward import backward as analytic
 

@@ -107,12 +107,14 @@ CANDIDATES_SCRIPT = textwrap.dedent("""
             bad += not all(e <= 1e-5 for e in errs)  # NaN fails too
             bad += any(g.stride() != gradient_strides(t) for g, t in zip(got[:3], x[:3]))  # q's layout: dq
         for cfg in [c for c in triton_mlstm.backward_candidates(DK, DV) if c.get("DKS")]:
-            # the split candidates' per-chunk gate algebra, kept for the A/B against the row sums
-            triton_mlstm.GATES_FROM_ROW_SUMS = False
+            # the split candidates' other way to the gates' gradients (GATES_FROM_ROW_SUMS: the row
+            # sums q.dq, k.dk and <C, dC> per chunk, or the per-chunk gate algebra)
+            default = triton_mlstm.GATES_FROM_ROW_SUMS
+            triton_mlstm.GATES_FROM_ROW_SUMS = not default
             got = triton_mlstm._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, want[0].float())
-            triton_mlstm.GATES_FROM_ROW_SUMS = True
+            triton_mlstm.GATES_FROM_ROW_SUMS = default
             errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want_g)]
-            print("bwd gate algebra", DK, DV, cfg, " ".join(f"{e:.1e}" for e in errs))
+            print("bwd row sums" if not default else "bwd gate algebra", DK, DV, cfg, " ".join(f"{e:.1e}" for e in errs))
             bad += not all(e <= 1e-5 for e in errs)  # NaN fails too
     raise SystemExit(bad)
 """)
@@ -377,6 +379,24 @@ ROUTE_SCRIPT = textwrap.dedent("""
     errs = [((a - b).norm() / b.norm()).item() for a, b in zip(runs[1], runs[0])]
     print("backward", " ".join(f"{e:.1e}" for e in errs))
     bad += not all(e <= 1e-6 for e in errs)
+    # and with the gates' gradients from the row sums (a split config, chunk 16, over 1100 rows:
+    # the chunk sums carried from one 1024-block to the next), the fused tail against the torch tail
+    triton_mlstm.GATES_FROM_ROW_SUMS = True
+    cfg = dict(triton_mlstm._fit(triton_mlstm.SPLIT2, DK, DV), L=16)
+    S = 1100
+    x = [torch.randn(B, H, S, DK), torch.randn(B, H, S, DK), torch.randn(B, H, S, DV), torch.randn(B, H, S), torch.randn(B, H, S) + 2]
+    cots[0] = torch.randn(B, H, S, DV)
+    h = triton_mlstm.forward(None, *x, *st, 1e-6, 64)[0]
+    runs = []
+    for fused in (False, True):
+        triton_mlstm.FUSED_ROUTE = fused
+        runs.append(triton_mlstm._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, h))
+    errs = [((a - b).norm() / b.norm()).item() for a, b in zip(runs[1], runs[0])]
+    from torch_xaccel.ops.mlstm_backward import backward as analytic
+    want = analytic(*(c.double() for c in cots), *(t.double() for t in x + st), chunk_size=16)
+    errs += [((g.double() - w).norm() / w.norm()).item() for g, w in zip(runs[1], want)]
+    print("backward, row sums (fused vs torch tail, fused vs fp64)", " ".join(f"{e:.1e}" for e in errs))
+    bad += not all(e <= 1e-6 for e in errs[:8]) or not all(e <= 1e-5 for e in errs[8:])
     raise SystemExit(bad)
 """)
 
@@ -388,4 +408,4 @@ def test_fused_route_of_the_eps_term_matches_torch_in_interpreter(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", ROUTE_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout.count("\n") == 5, proc.stdout
+    assert proc.stdout.count("\n") == 6, proc.stdout
