@@ -616,7 +616,7 @@ def route_max_grad(dm, gm, dmT, di, dlogf, i, f, m0=None, rows=None):
     or None) for dm [B, H, S] with gm + dmT.sum(-1) added to its last row: what _backward's torch
     tail computes with ops/mlstm_backward._route_max_grad, in one launch (mlstm_bwd_route). With
     rows = (rs, dg, L): di and dlogf from q.dq and k.dk per row and DK tile (rs, [B*H, tiles, 2,
-    S]) and <C, dC> at each chunk's end (dg, [B*H, NC]), chunk length L (gates_from_row_sums)."""
+    S]) and <C, dC> at each chunk's end (dg, [B*H, NC]), chunk length L (GATES_FROM_ROW_SUMS)."""
     from triton import next_power_of_2
 
     B, H, S = i.shape
