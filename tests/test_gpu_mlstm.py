@@ -255,10 +255,12 @@ def test_gate_gradients_from_row_sums_as_accurate_as_the_gate_algebra(monkeypatc
     st = [mk(B, H, DK, DV) * .1, mk(B, H, DK) * .1, mk(B, H)] if with_state else [None] * 3
     cots = [mk(B, H, S, DV), mk(B, H, DK, DV), mk(B, H, DK), mk(B, H)]
     want = analytic(*(c.double() for c in cots), *(t.double() for t in x), *(t.double() if t is not None else None for t in st))
+    cfg = triton_mlstm._fit(triton_mlstm.SPLIT2, DK, DV)  # a split config, whatever tuning would pick
+    h = triton_mlstm.forward(None, *x, *st, 1e-6, 64)[0]
     errs = {}
     for by_rows in (True, False):
         monkeypatch.setattr(triton_mlstm, "GATES_FROM_ROW_SUMS", by_rows)
-        got = triton_mlstm.backward(None, *cots, *x, *st, 1e-6, 64)
+        got = triton_mlstm._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, h)
         _assert_grads_close(got, want, *st[:2])
         errs[by_rows] = [rel_err(g, w) for g, w in zip(got[:5], want[:5])]
     print("row sums", " ".join(f"{e:.1e}" for e in errs[True]), "| gate algebra", " ".join(f"{e:.1e}" for e in errs[False]))
