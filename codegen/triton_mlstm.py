@@ -615,8 +615,8 @@ def route_max_grad(dm, gm, dmT, di, dlogf, i, f, m0=None, rows=None):
     """(di + routed, (dlogf + routed) * sigmoid(-f) in the gates' dtypes, the routed part of dm0
     or None) for dm [B, H, S] with gm + dmT.sum(-1) added to its last row: what _backward's torch
     tail computes with ops/mlstm_backward._route_max_grad, in one launch (mlstm_bwd_route). With
-    rows = (rs, dg, L): di and dlogf from q.dq and k.dk per row and DK tile (rs, [B*H, tiles, 2,
-    S]) and <C, dC> at each chunk's end (dg, [B*H, NC]), chunk length L (GATES_FROM_ROW_SUMS)."""
+    rows = (rs, cdc, L): di and dlogf from q.dq and k.dk per row and DK tile (rs, [B*H, tiles, 2,
+    S]) and <C, dC> at each chunk's end (cdc, [B*H, NC]), chunk length L (GATES_FROM_ROW_SUMS)."""
     from triton import next_power_of_2
 
     B, H, S = i.shape
@@ -629,8 +629,8 @@ def route_max_grad(dm, gm, dmT, di, dlogf, i, f, m0=None, rows=None):
     block = min(1024, next_power_of_2(S))
     by_rows = {}
     if rows is not None:
-        rs, dg, L = rows
-        gates, by_rows = (rs, rs.numel() // (B * H * 2 * S), dg, dg.numel() // (B * H)), dict(L=L)
+        rs, cdc, L = rows
+        gates, by_rows = (rs, rs.numel() // (B * H * 2 * S), cdc, cdc.numel() // (B * H)), dict(L=L)
     else:
         gates = (di, dlogf)
     _launch(_kernel("mlstm_bwd_route.py.jinja", i.dtype, has_state=m0 is not None, row_sums=rows is not None), (B * H,),
@@ -678,9 +678,9 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     # in the layout the op's fake promises (ops/mlstm.gradient_strides: a dense transposed view's own)
     dq, dk, dv = (gradient_like(t) for t in (q, k, v))
     di = dlogf = rs = None
-    if by_rows:  # q.dq and k.dk per row and DK tile; <C, dC> at each chunk's end
+    if by_rows:  # q.dq and k.dk per row and DK tile; cdc: <C, dC> at each chunk's end
         rs = torch.empty(B * H * (DK // DKS) * 2 * S, device=dev, dtype=f32)
-        dg = torch.empty(B * H * NC, device=dev, dtype=f32)
+        cdc = torch.empty(B * H * NC, device=dev, dtype=f32)
     else:
         di, dlogf = torch.empty(B, H, S, device=dev, dtype=f32), torch.empty(B, H, S, device=dev, dtype=f32)
     if DVS:
@@ -693,7 +693,7 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
         wu = torch.empty(B * H * NC * 2 * L, device=dev, dtype=f32)
     if by_rows:
         _launch(_kernel("mlstm_bwd_ds.py.jinja", q.dtype, split_dv=bool(DVS), dk_slice=min(64, DK)), (B * H, NC),
-            q, k, v, i, f, dh, Cs, ns, ms, dCs, dns, N, dden, dS, wu, dg, dv, *_rows(q, k, v, i, f, dh, *(() if DVS else (dv,))),
+            q, k, v, i, f, dh, Cs, ns, ms, dCs, dns, N, dden, dS, wu, cdc, dv, *_rows(q, k, v, i, f, dh, *(() if DVS else (dv,))),
             S, NC, DK ** -0.5, DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     else:
         dg = dg.sum(-1)  # per (chunk, scan tile) parts of the forget term
@@ -710,15 +710,15 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
             DK=DK, DV=DV, BK=DKS, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     m0s = m0.float() if C0 is not None else None
     if FUSED_ROUTE:
-        di_out, df_out, r_dm0 = route_max_grad(dm, gm, dmT, di, dlogf, i, f, m0s, (rs, dg, L) if by_rows else None)
+        di_out, df_out, r_dm0 = route_max_grad(dm, gm, dmT, di, dlogf, i, f, m0s, (rs, cdc, L) if by_rows else None)
     else:
         if by_rows:  # the gates' gradients with the stabilizers fixed, from the row sums (mlstm_bwd_ds)
             r = rs.view(B, H, DK // DKS, 2, S).sum(2)
             di = r[:, :, 1]
             d = F.pad(r[:, :, 0] - r[:, :, 1], (0, NC * L - S)).view(B, H, NC, L)
-            dg = dg.view(B, H, NC).clone()
-            dg[..., -1] = -dmT.sum(-1).view(B, H)  # the final state's <gC, C_T> + <gn, n_T>
-            dlogf = (d.flip(-1).cumsum(-1).flip(-1) + dg[..., None]).view(B, H, NC * L)[..., :S]
+            cdc = cdc.view(B, H, NC).clone()
+            cdc[..., -1] = -dmT.sum(-1).view(B, H)  # the final state's <gC, C_T> + <gn, n_T>
+            dlogf = (d.flip(-1).cumsum(-1).flip(-1) + cdc[..., None]).view(B, H, NC * L)[..., :S]
         dm[..., -1] += gm + dmT.sum(-1).view(B, H)
         i32, f32_ = i.float(), f.float()
         r_di, r_dlogf, r_dm0 = _route_max_grad(dm, i32, F.logsigmoid(f32_).cumsum(-1), m0s)
