@@ -278,7 +278,8 @@ def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch, kept: bool = Fa
 
     key = (f"mlstm_{phase}{'|kept' if kept else ''}{chunk or ''}|{q.dtype}|DK{DK}|DV{DV}|S~{1 << (S - 1).bit_length()}|BH~{1 << (B * H - 1).bit_length()}|"
            f"{torch.cuda.get_device_name(q.device)}|torch{torch.__version__}|triton{triton.__version__}|"
-           f"tpl{template_digest()}|tv{cache.TUNING_VERSION}")
+           f"tpl{template_digest()}|tv{cache.TUNING_VERSION}"
+           f"{'' if phase == 'fwd' else f'|rows{int(GATES_FROM_ROW_SUMS)}'}")  # the split candidates' speed changes with it
     if key in _CHOSEN:
         return _CHOSEN[key]
     default, cands = config(DK, DV, size), candidates(DK, DV, size)  # only on a memo miss
