@@ -102,10 +102,10 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False,
                              dict(k_loop="BKQ" in tiles, save_rows=True) if template == "mlstm_fwd.py.jinja" else
                              dict(split_dv="DVS" in tiles, dv_tiles=DV // tiles.get("DVS", DV), split_dqdk="DKS" in tiles)
                              if template == "mlstm_bwd.py.jinja" else
-                             dict(split_dv="DVS" in tiles, dk_slice=min(64, DK)) if template == "mlstm_bwd_ds.py.jinja" else
+                             dict(split_dv="DVS" in tiles) if template == "mlstm_bwd_ds.py.jinja" else
                              dict(row_factors=triton_mlstm.SCAN_ROW_FACTORS, saved_rows=True)
                              if template == "mlstm_bwd_rows.py.jinja" else
-                             dict(row_factors=triton_mlstm.SCAN_ROW_FACTORS, dg_term=not by_rows)
+                             dict(row_factors=triton_mlstm.SCAN_ROW_FACTORS, dg_next=by_rows)
                              if template == "mlstm_bwd_states.py.jinja" else
                              dict(row_sums=by_rows) if template in ("mlstm_bwd_dv.py.jinja", "mlstm_bwd_dqdk.py.jinja") else
                              dict(has_state=False, row_sums=by_rows) if template == "mlstm_bwd_route.py.jinja" else {})

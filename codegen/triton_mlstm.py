@@ -672,16 +672,16 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     DKS = cfg.get("DKS")  # and dq, dk in theirs, one program per DK tile (without DVS: dv stays in mlstm_bwd)
     by_rows = bool(DKS) and GATES_FROM_ROW_SUMS  # the gates' gradients from q.dq and k.dk (mlstm_bwd_ds)
     dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
-    dg = dmT if by_rows else torch.empty(B * H, NC, NT, device=dev, dtype=f32)  # (dmT: a placeholder)
-    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, row_factors=SCAN_ROW_FACTORS, dg_term=not by_rows),
+    dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)  # per (chunk, scan tile) parts of the forget term
+    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, row_factors=SCAN_ROW_FACTORS, dg_next=by_rows),
         (B * H, DK // BK, DV // BVS), q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0,
         *factors, *_rows(q, dh, i, f), S, NC, NT, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=_scan_warps(cfg), num_stages=stages)
     # in the layout the op's fake promises (ops/mlstm.gradient_strides: a dense transposed view's own)
     dq, dk, dv = (gradient_like(t) for t in (q, k, v))
     di = dlogf = rs = None
-    if by_rows:  # q.dq and k.dk per row and DK tile; cdc: <C, dC> at each chunk's end
+    dg = dg.sum(-1)  # by_rows: <C, dC> at each chunk's end; else the whole-chunk forget term
+    if by_rows:  # q.dq and k.dk per row and DK tile
         rs = torch.empty(B * H * (DK // DKS) * 2 * S, device=dev, dtype=f32)
-        cdc = torch.empty(B * H * NC, device=dev, dtype=f32)
     else:
         di, dlogf = torch.empty(B, H, S, device=dev, dtype=f32), torch.empty(B, H, S, device=dev, dtype=f32)
     if DVS:
@@ -693,11 +693,10 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
         dS = torch.empty(B * H * NC * L * L, device=dev, dtype=q.dtype)
         wu = torch.empty(B * H * NC * 2 * L, device=dev, dtype=f32)
     if by_rows:
-        _launch(_kernel("mlstm_bwd_ds.py.jinja", q.dtype, split_dv=bool(DVS), dk_slice=min(64, DK)), (B * H, NC),
-            q, k, v, i, f, dh, Cs, ns, ms, dCs, dns, N, dden, dS, wu, cdc, dv, *_rows(q, k, v, i, f, dh, *(() if DVS else (dv,))),
+        _launch(_kernel("mlstm_bwd_ds.py.jinja", q.dtype, split_dv=bool(DVS)), (B * H, NC),
+            q, k, v, i, f, dh, ms, dCs, N, dden, dS, wu, dv, *_rows(q, k, v, i, f, dh, *(() if DVS else (dv,))),
             S, NC, DK ** -0.5, DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     else:
-        dg = dg.sum(-1)  # per (chunk, scan tile) parts of the forget term
         _launch(_kernel("mlstm_bwd.py.jinja", q.dtype, split_dv=bool(DVS), dv_tiles=DV // DVS if DVS else 0,
                         split_dqdk=bool(DKS)), (B * H, NC),
             q, k, v, i, f, dh, Cs, ns, ms, dCs, dns, dg, N, dden, hdh, *((dS, wu) if DKS else (dq, dk)),
@@ -711,13 +710,13 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
             DK=DK, DV=DV, BK=DKS, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     m0s = m0.float() if C0 is not None else None
     if FUSED_ROUTE:
-        di_out, df_out, r_dm0 = route_max_grad(dm, gm, dmT, di, dlogf, i, f, m0s, (rs, cdc, L) if by_rows else None)
+        di_out, df_out, r_dm0 = route_max_grad(dm, gm, dmT, di, dlogf, i, f, m0s, (rs, dg, L) if by_rows else None)
     else:
         if by_rows:  # the gates' gradients with the stabilizers fixed, from the row sums (mlstm_bwd_ds)
             r = rs.view(B, H, DK // DKS, 2, S).sum(2)
             di = r[:, :, 1]
             d = F.pad(r[:, :, 0] - r[:, :, 1], (0, NC * L - S)).view(B, H, NC, L)
-            cdc = cdc.view(B, H, NC).clone()
+            cdc = dg.view(B, H, NC).clone()
             cdc[..., -1] = -dmT.sum(-1).view(B, H)  # the final state's <gC, C_T> + <gn, n_T>
             dlogf = (d.flip(-1).cumsum(-1).flip(-1) + cdc[..., None]).view(B, H, NC * L)[..., :S]
         dm[..., -1] += gm + dmT.sum(-1).view(B, H)
