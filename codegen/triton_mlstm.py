@@ -376,18 +376,17 @@ SAVED_ROWS = True
 # the backward from kept chunk states reads each row's den and m_t, stored by the forward, in
 # mlstm_bwd_rows instead of recomputing q k^T there (False: recompute, for mlstm_sweep.py --scan-ab)
 
-GATES_FROM_ROW_SUMS = False
+GATES_FROM_ROW_SUMS = True
 # the split candidates (DKS) take the gates' gradients with the stabilizers fixed from q.dq and
 # k.dk per row (di = k.dk; dlogf inside each chunk a reverse cumsum of q.dq - k.dk, plus <C, dC>
-# at the chunk's end for the rows after it; exact, see mlstm_bwd_ds.py.jinja), summed in
-# mlstm_bwd_dqdk from its fp32 gradients: the per-chunk kernel drops its gate algebra and the
-# reverse scan its <dC, C> term and stored-state reads. Off until timed: the first version (the
-# cumsum over the whole row, no <C, dC>) took the backward from kept states from 2.560 to 2.116 ms
-# at B8 NH16 S8192 128/128 and 3.454 to 2.765 at the 7B heads on the H200, but bf16 state
-# rounding accumulated along the row (df 2.3e-2 from fp64 at S 8192 against 3.3e-3); this
-# version, which takes <C, dC> per chunk as the old scan did, is interpreter-checked only.
-# benchmarks/mlstm_sweep.py --scan-ab --ab GATES_FROM_ROW_SUMS and
-# pytest -m gpu -k row_sums decide it.
+# at the chunk's end for the rows after it, taken by the state scan; exact, see
+# mlstm_bwd_ds.py.jinja), summed in mlstm_bwd_dqdk from its fp32 gradients: the per-chunk kernel
+# (mlstm_bwd_ds) drops its gate algebra. H200, backward from kept states, bf16
+# (benchmarks/mlstm_sweep.py --scan-ab --ab GATES_FROM_ROW_SUMS): 2.561 -> 2.421 ms at B8 NH16
+# S8192 128/128, 3.456 -> 3.246 at B8 NH8 S4096 256/512, 0.936 -> 0.891 at the model's shape; df
+# 3.3e-3 from fp64 both ways at S 8192 (pytest -m gpu -k row_sums). A cumsum over the whole row
+# (no <C, dC>) was faster but lost df accuracy along the row (2.3e-2), and <C, dC> taken in
+# mlstm_bwd_ds cost that kernel more than the scan (docs/benchmarks.md, fifteenth session).
 
 FUSED_ROUTE = True
 # the backward's last step, the eps term routed through the stabilizer max and the gates' final
