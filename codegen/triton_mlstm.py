@@ -322,10 +322,26 @@ def _fastest(label: str, default: dict, cands: list[dict], launch, timings: list
     def bench(cfg):
         got = _compared(launch(cfg))
         tolerances = [1e-2] + [2e-2] * (len(want) - 1)
+        if len(want) >= 5 and _gates_by_rows(cfg) != _gates_by_rows(ref):
+            tolerances[4] = DF_ACROSS_GATE_METHODS
         if not all((g - w).norm() <= tol * w.norm() for g, w, tol in zip(got, want, tolerances)):
             raise ValueError("result differs from the reference config's")
         return triton.testing.do_bench(lambda: launch(cfg), warmup=3, rep=15, return_mode="median")
     return cache.fastest(label, cands, bench, best=ref, timings=timings)
+
+
+DF_ACROSS_GATE_METHODS = 0.25
+# df's agreement bound between a config taking the gates' gradients from the row sums and one
+# taking them from the per-chunk gate algebra (the tuner's reference): with small forget gates
+# (fast decay, as xLSTMLarge at init) the algebra's df carries several 1e-2 of its own error in
+# bf16 while the row sums stay near 4e-3 (fp16 in the interpreter, f ~ N(0, .58): 3.0e-3 against
+# 4.7e-4 from fp64; tests/test_triton_mlstm_interpreter.py), so the two differ by more than the
+# 2e-2 that two right configs of one method keep; a broken kernel is off by O(1) or NaN.
+
+
+def _gates_by_rows(cfg: dict) -> bool:
+    """Whether a backward config takes the gates' gradients from the row sums (mlstm_bwd_ds)."""
+    return bool(cfg.get("DKS")) and GATES_FROM_ROW_SUMS
 
 
 def _compared(outputs) -> list:
@@ -669,7 +685,7 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     dC0, dn0 = torch.empty_like(gC), torch.empty_like(gn)
     DVS = cfg.get("DVS")  # split variant: dv in its own kernel, one program per DV tile
     DKS = cfg.get("DKS")  # and dq, dk in theirs, one program per DK tile (without DVS: dv stays in mlstm_bwd)
-    by_rows = bool(DKS) and GATES_FROM_ROW_SUMS  # the gates' gradients from q.dq and k.dk (mlstm_bwd_ds)
+    by_rows = _gates_by_rows(cfg)  # the gates' gradients from q.dq and k.dk (mlstm_bwd_ds)
     dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
     dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)  # per (chunk, scan tile) parts of the forget term
     _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, row_factors=SCAN_ROW_FACTORS, dg_next=by_rows),

@@ -238,20 +238,26 @@ def test_backward_kernel_matches_analytic_backward(B, H, S, DK, DV, with_state):
     _assert_grads_close(triton_mlstm.backward(None, *cots, *x, *st, 1e-6, 64, h, [*kept, C, n, m]), want, *st[:2])
 
 
-@pytest.mark.parametrize("S,DK,DV,with_state", [(8192, 128, 128, True), (4096, 256, 512, False)])
-def test_gate_gradients_from_row_sums_as_accurate_as_the_gate_algebra(monkeypatch, S, DK, DV, with_state):
+@pytest.mark.parametrize("S,DK,DV,with_state,fast", [(8192, 128, 128, True, False), (4096, 256, 512, False, False),
+                                                     (2048, 256, 512, False, True)])
+def test_gate_gradients_from_row_sums_as_accurate_as_the_gate_algebra(monkeypatch, S, DK, DV, with_state, fast):
     """GATES_FROM_ROW_SUMS (di = k.dk; dlogf a reverse cumsum of q.dq - k.dk inside each chunk
     plus <C, dC> at its end) against the per-chunk gate algebra, both against the fp64 analytic
     backward, in bf16 over long rows (128 / 64 chunks): di and df within twice the old method's
     error (or 1e-2). A cumsum over the whole row, without <C, dC>, failed this on the H200 (df
-    2.3e-2 against 3.3e-3 at S 8192: bf16 state rounding accumulated along the row)."""
+    2.3e-2 against 3.3e-3 at S 8192: bf16 state rounding accumulated along the row). fast: the
+    model's regime, every input ~ N(0, .58) (forget gates near 0.5, fast decay), where the gate
+    algebra's own df error grows (tests/test_triton_mlstm_interpreter.py) and the row sums' must
+    stay within 1e-2."""
     from torch_xaccel.codegen import triton_mlstm
     from torch_xaccel.ops.mlstm_backward import backward as analytic
 
     torch.manual_seed(S + DK)
     B, H = 1, 2
     mk = lambda *s: torch.randn(*s, device="cuda")  # noqa: E731
-    x = [mk(B, H, S, DK).bfloat16(), mk(B, H, S, DK).bfloat16(), mk(B, H, S, DV).bfloat16(), mk(B, H, S), mk(B, H, S) + 3]
+    sd, fmean = (.58, 0.0) if fast else (1.0, 3.0)
+    x = [(mk(B, H, S, DK) * sd).bfloat16(), (mk(B, H, S, DK) * sd).bfloat16(), (mk(B, H, S, DV) * sd).bfloat16(),
+         mk(B, H, S) * sd, mk(B, H, S) * sd + fmean]
     st = [mk(B, H, DK, DV) * .1, mk(B, H, DK) * .1, mk(B, H)] if with_state else [None] * 3
     cots = [mk(B, H, S, DV), mk(B, H, DK, DV), mk(B, H, DK), mk(B, H)]
     want = analytic(*(c.double() for c in cots), *(t.double() for t in x), *(t.double() if t is not None else None for t in st))
@@ -265,6 +271,7 @@ def test_gate_gradients_from_row_sums_as_accurate_as_the_gate_algebra(monkeypatc
         errs[by_rows] = [rel_err(g, w) for g, w in zip(got[:5], want[:5])]
     print("row sums", " ".join(f"{e:.1e}" for e in errs[True]), "| gate algebra", " ".join(f"{e:.1e}" for e in errs[False]))
     assert all(errs[True][j] <= max(2 * errs[False][j], 1e-2) for j in (3, 4)), errs
+    assert errs[True][4] <= 1e-2, errs
 
 
 @pytest.mark.parametrize("B,H,S,state,gates", [(8, 16, 8192, False, torch.bfloat16), (2, 3, 2500, True, torch.float32),
