@@ -334,9 +334,10 @@ DF_ACROSS_GATE_METHODS = 0.25
 # df's agreement bound between a config taking the gates' gradients from the row sums and one
 # taking them from the per-chunk gate algebra (the tuner's reference): with small forget gates
 # (fast decay, as xLSTMLarge at init) the algebra's df carries several 1e-2 of its own error in
-# bf16 while the row sums stay near 4e-3 (fp16 in the interpreter, f ~ N(0, .58): 3.0e-3 against
-# 4.7e-4 from fp64; tests/test_triton_mlstm_interpreter.py), so the two differ by more than the
-# 2e-2 that two right configs of one method keep; a broken kernel is off by O(1) or NaN.
+# bf16 while the row sums stay near 3e-3 (H200, S 2048 256/512, inputs ~ N(0, .58): 2.6e-2 against
+# 3.3e-3 from fp64, tests/test_gpu_mlstm.py; fp16 in the interpreter: 3.0e-3 against 4.7e-4), so
+# the two differ by more than the 2e-2 that two right configs of one method keep, and in the
+# model the tuner rejected every row-sum config; a broken kernel is off by O(1) or NaN.
 
 
 def _gates_by_rows(cfg: dict) -> bool:
@@ -398,11 +399,12 @@ GATES_FROM_ROW_SUMS = True
 # at the chunk's end for the rows after it, taken by the state scan; exact, see
 # mlstm_bwd_ds.py.jinja), summed in mlstm_bwd_dqdk from its fp32 gradients: the per-chunk kernel
 # (mlstm_bwd_ds) drops its gate algebra. H200, backward from kept states, bf16
-# (benchmarks/mlstm_sweep.py --scan-ab --ab GATES_FROM_ROW_SUMS): 2.561 -> 2.421 ms at B8 NH16
-# S8192 128/128, 3.456 -> 3.246 at B8 NH8 S4096 256/512, 0.936 -> 0.891 at the model's shape; df
-# 3.3e-3 from fp64 both ways at S 8192 (pytest -m gpu -k row_sums). A cumsum over the whole row
-# (no <C, dC>) was faster but lost df accuracy along the row (2.3e-2), and <C, dC> taken in
-# mlstm_bwd_ds cost that kernel more than the scan (docs/benchmarks.md, fifteenth session).
+# (benchmarks/mlstm_sweep.py --scan-ab --ab GATES_FROM_ROW_SUMS): 2.553 -> 2.290 ms at B8 NH16
+# S8192 128/128, 3.430 -> 3.074 at B8 NH8 S4096 256/512, 0.912 -> 0.816 (kernels) at the model's
+# shape. More accurate too: df 3.3e-3 from fp64 both ways at S 8192, and 3.3e-3 against the
+# algebra's 2.6e-2 with fast decay (pytest -m gpu -k row_sums). A cumsum over the whole row (no
+# <C, dC>) lost df accuracy along the row (2.3e-2), and <C, dC> taken in mlstm_bwd_ds cost that
+# kernel more than the scan (docs/benchmarks.md, fifteenth session).
 
 FUSED_ROUTE = True
 # the backward's last step, the eps term routed through the stabilizer max and the gates' final
