@@ -76,14 +76,14 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False,
         for phase, cands in phases:
             for cfg in cands if all_candidates else cands[:1]:
                 scan = triton_mlstm._scan_warps(cfg)
-                by_rows = bool(cfg.get("DKS")) and triton_mlstm.GATES_FROM_ROW_SUMS  # as _backward decides
+                by_rows = triton_mlstm._gates_by_rows(cfg)  # as _backward decides
                 kernels = [("mlstm_chunk_gates.py.jinja", {}, 4),
                            ("mlstm_chunk_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), scan)]
                 fwd_tiles = dict(BV=cfg["BV"], **({"BKQ": cfg["BKQ"]} if cfg.get("BKQ") else {}))
                 kernels += ([("mlstm_fwd.py.jinja", fwd_tiles, cfg["warps"])] if phase == "fwd" else
                             [("mlstm_bwd_rows.py.jinja", dict(BV=cfg["BV"]), cfg["warps"]),
                              ("mlstm_bwd_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), scan),
-                             ("mlstm_bwd_ds.py.jinja" if by_rows else "mlstm_bwd.py.jinja",
+                             ("mlstm_bwd_ds.py.jinja" if by_rows and cfg.get("DKS") else "mlstm_bwd.py.jinja",
                               dict(BV=cfg["BV"], **{k: cfg[k] for k in ("DVS", "DKS") if cfg.get(k)}), cfg["warps"])])
                 if phase == "bwd" and cfg.get("DVS"):
                     kernels.append(("mlstm_bwd_dv.py.jinja", dict(BV=cfg["DVS"]), cfg["warps"]))
@@ -100,8 +100,8 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False,
                     extra = (dict(has_state=False, gate_factors=triton_mlstm.CHUNK_SCAN_FACTORS, loads_first=bool(cfg.get("LF")))
                              if template == "mlstm_chunk_states.py.jinja" else
                              dict(k_loop="BKQ" in tiles, save_rows=True) if template == "mlstm_fwd.py.jinja" else
-                             dict(split_dv="DVS" in tiles, dv_tiles=DV // tiles.get("DVS", DV), split_dqdk="DKS" in tiles)
-                             if template == "mlstm_bwd.py.jinja" else
+                             dict(split_dv="DVS" in tiles, dv_tiles=DV // tiles.get("DVS", DV), split_dqdk="DKS" in tiles,
+                                  row_sums=by_rows) if template == "mlstm_bwd.py.jinja" else
                              dict(split_dv="DVS" in tiles) if template == "mlstm_bwd_ds.py.jinja" else
                              dict(row_factors=triton_mlstm.SCAN_ROW_FACTORS, saved_rows=True)
                              if template == "mlstm_bwd_rows.py.jinja" else

@@ -82,9 +82,11 @@ def test_every_tuning_candidate_matches_reference(monkeypatch, DK, DV):
         _assert_grads_close(got, want_g, st[0], st[1])
         # dq in q's transposed layout (a dense view), dk and dv contiguous: what the op's fake promises
         assert [g.stride() for g in got[:3]] == [gradient_strides(t) for t in x[:3]], cfg
-    for cfg in [c for c in triton_mlstm.backward_candidates(DK, DV) if c.get("DKS")]:
-        # and the split candidates' other way to the gates' gradients (GATES_FROM_ROW_SUMS)
-        monkeypatch.setattr(triton_mlstm, "GATES_FROM_ROW_SUMS", not triton_mlstm.GATES_FROM_ROW_SUMS)
+    for cfg in triton_mlstm.backward_candidates(DK, DV):
+        # and each candidate's other way to the gates' gradients (GATES_FROM_ROW_SUMS for the split
+        # ones, UNSPLIT_GATES_FROM_ROW_SUMS for the others)
+        flag = "GATES_FROM_ROW_SUMS" if cfg.get("DKS") else "UNSPLIT_GATES_FROM_ROW_SUMS"
+        monkeypatch.setattr(triton_mlstm, flag, not getattr(triton_mlstm, flag))
         _assert_grads_close(triton_mlstm._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, h), want_g, st[0], st[1])
         monkeypatch.undo()
 
@@ -239,7 +241,7 @@ def test_backward_kernel_matches_analytic_backward(B, H, S, DK, DV, with_state):
 
 
 @pytest.mark.parametrize("S,DK,DV,with_state,fast", [(8192, 128, 128, True, False), (4096, 256, 512, False, False),
-                                                     (2048, 256, 512, False, True)])
+                                                     (2048, 256, 512, False, True), (1024, 512, 512, True, True)])
 def test_gate_gradients_from_row_sums_as_accurate_as_the_gate_algebra(monkeypatch, S, DK, DV, with_state, fast):
     """GATES_FROM_ROW_SUMS (di = k.dk; dlogf a reverse cumsum of q.dq - k.dk inside each chunk
     plus <C, dC> at its end) against the per-chunk gate algebra, both against the fp64 analytic
@@ -248,7 +250,7 @@ def test_gate_gradients_from_row_sums_as_accurate_as_the_gate_algebra(monkeypatc
     2.3e-2 against 3.3e-3 at S 8192: bf16 state rounding accumulated along the row). fast: the
     model's regime, every input ~ N(0, .58) (forget gates near 0.5, fast decay), where the gate
     algebra's own df error grows (tests/test_triton_mlstm_interpreter.py) and the row sums' must
-    stay within 1e-2."""
+    stay within 1e-2. DQK 512 runs its unsplit default config (UNSPLIT_GATES_FROM_ROW_SUMS)."""
     from torch_xaccel.codegen import triton_mlstm
     from torch_xaccel.ops.mlstm_backward import backward as analytic
 
@@ -261,11 +263,14 @@ def test_gate_gradients_from_row_sums_as_accurate_as_the_gate_algebra(monkeypatc
     st = [mk(B, H, DK, DV) * .1, mk(B, H, DK) * .1, mk(B, H)] if with_state else [None] * 3
     cots = [mk(B, H, S, DV), mk(B, H, DK, DV), mk(B, H, DK), mk(B, H)]
     want = analytic(*(c.double() for c in cots), *(t.double() for t in x), *(t.double() if t is not None else None for t in st))
-    cfg = triton_mlstm._fit(triton_mlstm.SPLIT2, DK, DV)  # a split config, whatever tuning would pick
+    # a split config, whatever tuning would pick (DQK 512 has none: its unsplit default)
+    cfg = triton_mlstm._fit(triton_mlstm.SPLIT2, DK, DV) if DK < 512 else triton_mlstm.backward_config(DK, DV)
     h = triton_mlstm.forward(None, *x, *st, 1e-6, 64)[0]
     errs = {}
     for by_rows in (True, False):
         monkeypatch.setattr(triton_mlstm, "GATES_FROM_ROW_SUMS", by_rows)
+        monkeypatch.setattr(triton_mlstm, "UNSPLIT_GATES_FROM_ROW_SUMS", by_rows)
+        assert triton_mlstm._gates_by_rows(cfg) == by_rows
         got = triton_mlstm._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, h)
         _assert_grads_close(got, want, *st[:2])
         errs[by_rows] = [rel_err(g, w) for g, w in zip(got[:5], want[:5])]

@@ -106,15 +106,18 @@ CANDIDATES_SCRIPT = textwrap.dedent("""
             print("bwd", DK, DV, cfg, " ".join(f"{e:.1e}" for e in errs))
             bad += not all(e <= 1e-5 for e in errs)  # NaN fails too
             bad += any(g.stride() != gradient_strides(t) for g, t in zip(got[:3], x[:3]))  # q's layout: dq
-        for cfg in [c for c in triton_mlstm.backward_candidates(DK, DV) if c.get("DKS")]:
-            # the split candidates' other way to the gates' gradients (GATES_FROM_ROW_SUMS: the row
-            # sums q.dq, k.dk and <C, dC> per chunk, or the per-chunk gate algebra)
-            default = triton_mlstm.GATES_FROM_ROW_SUMS
-            triton_mlstm.GATES_FROM_ROW_SUMS = not default
+        for cfg in triton_mlstm.backward_candidates(DK, DV):
+            # each candidate's other way to the gates' gradients (the row sums q.dq, k.dk and <C, dC>
+            # per chunk, or the per-chunk gate algebra): GATES_FROM_ROW_SUMS for the split ones,
+            # UNSPLIT_GATES_FROM_ROW_SUMS for the others
+            flag = "GATES_FROM_ROW_SUMS" if cfg.get("DKS") else "UNSPLIT_GATES_FROM_ROW_SUMS"
+            default = getattr(triton_mlstm, flag)
+            setattr(triton_mlstm, flag, not default)
+            way = "row sums" if triton_mlstm._gates_by_rows(cfg) else "gate algebra"
             got = triton_mlstm._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, want[0].float())
-            triton_mlstm.GATES_FROM_ROW_SUMS = default
+            setattr(triton_mlstm, flag, default)
             errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want_g)]
-            print("bwd row sums" if not default else "bwd gate algebra", DK, DV, cfg, " ".join(f"{e:.1e}" for e in errs))
+            print("bwd", way, DK, DV, cfg, " ".join(f"{e:.1e}" for e in errs))
             bad += not all(e <= 1e-5 for e in errs)  # NaN fails too
     raise SystemExit(bad)
 """)
@@ -131,7 +134,7 @@ def test_every_gpu_tuning_candidate_in_interpreter(tmp_path):
     from torch_xaccel.codegen import triton_mlstm
 
     n = sum(len(triton_mlstm._unique(triton_mlstm.forward_candidates(*hd) + triton_mlstm.sliced_sweep_configs(*hd)))
-            + len(triton_mlstm.backward_candidates(*hd)) + sum(bool(c.get("DKS")) for c in triton_mlstm.backward_candidates(*hd))
+            + 2 * len(triton_mlstm.backward_candidates(*hd))
             for hd in ((512, 64), (128, 128)))
     assert proc.stdout.count("\n") == n, proc.stdout
 
@@ -381,22 +384,23 @@ ROUTE_SCRIPT = textwrap.dedent("""
     bad += not all(e <= 1e-6 for e in errs)
     # and with the gates' gradients from the row sums (a split config, chunk 16, over 1100 rows:
     # the chunk sums carried from one 1024-block to the next), the fused tail against the torch tail
-    triton_mlstm.GATES_FROM_ROW_SUMS = True
-    cfg = dict(triton_mlstm._fit(triton_mlstm.SPLIT2, DK, DV), L=16)
+    # (and an unsplit config's row_sums mode, UNSPLIT_GATES_FROM_ROW_SUMS: one DK tile of sums)
+    triton_mlstm.GATES_FROM_ROW_SUMS = triton_mlstm.UNSPLIT_GATES_FROM_ROW_SUMS = True
     S = 1100
     x = [torch.randn(B, H, S, DK), torch.randn(B, H, S, DK), torch.randn(B, H, S, DV), torch.randn(B, H, S), torch.randn(B, H, S) + 2]
     cots[0] = torch.randn(B, H, S, DV)
     h = triton_mlstm.forward(None, *x, *st, 1e-6, 64)[0]
-    runs = []
-    for fused in (False, True):
-        triton_mlstm.FUSED_ROUTE = fused
-        runs.append(triton_mlstm._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, h))
-    errs = [((a - b).norm() / b.norm()).item() for a, b in zip(runs[1], runs[0])]
     from torch_xaccel.ops.mlstm_backward import backward as analytic
     want = analytic(*(c.double() for c in cots), *(t.double() for t in x + st), chunk_size=16)
-    errs += [((g.double() - w).norm() / w.norm()).item() for g, w in zip(runs[1], want)]
-    print("backward, row sums (fused vs torch tail, fused vs fp64)", " ".join(f"{e:.1e}" for e in errs))
-    bad += not all(e <= 1e-6 for e in errs[:8]) or not all(e <= 1e-5 for e in errs[8:])
+    for cfg in (dict(triton_mlstm._fit(triton_mlstm.SPLIT2, DK, DV), L=16), dict(triton_mlstm.INTERPRETER_CONFIG)):
+        runs = []
+        for fused in (False, True):
+            triton_mlstm.FUSED_ROUTE = fused
+            runs.append(triton_mlstm._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, h))
+        errs = [((a - b).norm() / b.norm()).item() for a, b in zip(runs[1], runs[0])]
+        errs += [((g.double() - w).norm() / w.norm()).item() for g, w in zip(runs[1], want)]
+        print("backward, row sums", cfg, "(fused vs torch tail, fused vs fp64)", " ".join(f"{e:.1e}" for e in errs))
+        bad += not all(e <= 1e-6 for e in errs[:8]) or not all(e <= 1e-5 for e in errs[8:])
     raise SystemExit(bad)
 """)
 
@@ -408,7 +412,7 @@ def test_fused_route_of_the_eps_term_matches_torch_in_interpreter(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", ROUTE_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout.count("\n") == 6, proc.stdout
+    assert proc.stdout.count("\n") == 7, proc.stdout
 
 
 FAST_DECAY_SCRIPT = textwrap.dedent("""
@@ -422,23 +426,28 @@ FAST_DECAY_SCRIPT = textwrap.dedent("""
          (torch.randn(B, H, S, DV) * sd).half(), torch.randn(B, H, S) * sd, torch.randn(B, H, S) * sd + FMEAN]
     cots = [torch.randn(B, H, S, DV), torch.randn(B, H, DK, DV), torch.randn(B, H, DK), torch.randn(B, H)]
     want = analytic(*(c.double() for c in cots), *(t.double() for t in x), None, None, None)
-    cfg = triton_mlstm._fit(triton_mlstm.SPLIT2, DK, DV)
+    split = USE_SPLIT_CFG
+    cfg = triton_mlstm._fit(triton_mlstm.SPLIT2 if split else dict(L=64, BV=32, BK=64, BVS=128, warps=8, stages=2), DK, DV)
     h = triton_mlstm.forward(None, *x, None, None, None, 1e-6, 64)[0]
     for by_rows in (True, False):
-        triton_mlstm.GATES_FROM_ROW_SUMS = by_rows
+        triton_mlstm.GATES_FROM_ROW_SUMS = by_rows if split else True
+        triton_mlstm.UNSPLIT_GATES_FROM_ROW_SUMS = by_rows
+        assert triton_mlstm._gates_by_rows(cfg) == by_rows
         got = triton_mlstm._backward(cfg, cots[0], *cots[1:], *x, None, None, None, 1e-6, h)
         print(" ".join(f"{((g.double() - w).norm() / w.norm()).item():.3e}" for g, w in zip(got[:5], want[:5])))
 """)
 
 
-@pytest.mark.parametrize("fmean", [0.0, -2.0])
-def test_row_sums_keep_df_accurate_where_the_gate_algebra_loses_it(tmp_path, fmean):
+@pytest.mark.parametrize("fmean,split", [(0.0, True), (-2.0, True), (-2.0, False)])
+def test_row_sums_keep_df_accurate_where_the_gate_algebra_loses_it(tmp_path, fmean, split):
     """Small forget gates (fast decay; xLSTMLarge's gate projections start near N(0, .58)): in fp16
     the per-chunk gate algebra's df drifts from fp64 (3.0e-3 at f ~ N(0, .58), 1.6e-2 at a mean
     of -2, ~8x that in bf16), the row sums' stays near fp16's rounding (4.7e-4, 8.8e-4). Why
-    GATES_FROM_ROW_SUMS is the default, and why the tuner bounds df loosely across the two."""
+    GATES_FROM_ROW_SUMS is the default, and why the tuner bounds df loosely across the two. The
+    same for an unsplit config (mlstm_bwd's row_sums mode, UNSPLIT_GATES_FROM_ROW_SUMS)."""
     env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", FAST_DECAY_SCRIPT.replace("FMEAN", repr(fmean))], env=env,
+    script = FAST_DECAY_SCRIPT.replace("FMEAN", repr(fmean)).replace("USE_SPLIT_CFG", repr(split))
+    proc = subprocess.run([sys.executable, "-c", script], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rows, algebra = ([float(e) for e in line.split()] for line in proc.stdout.strip().splitlines()[-2:])
