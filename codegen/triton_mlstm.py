@@ -697,7 +697,7 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     dC0, dn0 = torch.empty_like(gC), torch.empty_like(gn)
     DVS = cfg.get("DVS")  # split variant: dv in its own kernel, one program per DV tile
     DKS = cfg.get("DKS")  # and dq, dk in theirs, one program per DK tile (without DVS: dv stays in mlstm_bwd)
-    by_rows = _gates_by_rows(cfg)  # the gates' gradients from q.dq and k.dk (mlstm_bwd_ds)
+    by_rows = _gates_by_rows(cfg)  # the gates' gradients from q.dq and k.dk (mlstm_bwd_ds or mlstm_bwd's row_sums)
     dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
     dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)  # per (chunk, scan tile) parts of the forget term
     _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, row_factors=SCAN_ROW_FACTORS, dg_next=by_rows),
