@@ -12,6 +12,15 @@ import pytest
 
 pytest.importorskip("triton")
 
+
+def _interpret(script: str, tmp_path, *argv: str, timeout: int = 600) -> str:
+    """Run a test script in Triton's interpreter in a fresh process (TRITON_INTERPRET is read at
+    import) with its own cache dir; its exit status must be 0. Its stdout."""
+    env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", script, *argv], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    return proc.stdout
+
 SCRIPT = textwrap.dedent("""
     import os, torch
     os.environ["TRITON_INTERPRET"] = "1"
@@ -67,10 +76,8 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_mlstm_forward_kernel_matches_reference_in_interpreter(tmp_path):
-    env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout.count("\n") == 12
+    out = _interpret(SCRIPT, tmp_path)
+    assert out.count("\n") == 12
 
 
 CANDIDATES_SCRIPT = textwrap.dedent("""
@@ -128,15 +135,13 @@ def test_every_gpu_tuning_candidate_in_interpreter(tmp_path):
     forward kernel's neighbours that benchmarks/mlstm_sweep.py --sliced times), whose logic the default interpreter config does not
     exercise, against the reference in float32; whether they
     fit the GPU is benchmarks/compile_report.py's and the `-m gpu` tests' business."""
-    env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", CANDIDATES_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    out = _interpret(CANDIDATES_SCRIPT, tmp_path, timeout=900)
     from torch_xaccel.codegen import triton_mlstm
 
     n = sum(len(triton_mlstm._unique(triton_mlstm.forward_candidates(*hd) + triton_mlstm.sliced_sweep_configs(*hd)))
             + 2 * len(triton_mlstm.backward_candidates(*hd))
             for hd in ((512, 64), (128, 128)))
-    assert proc.stdout.count("\n") == n, proc.stdout
+    assert out.count("\n") == n, out
 
 
 def test_candidates_fit_shared_memory_per_dtype():
@@ -278,11 +283,8 @@ def test_kept_chunk_states_match_reference_in_interpreter(tmp_path, factors):
     reference's, as after a forward that fell back) equal to the analytic backward. With the
     scans' gate terms precomputed (default) and recomputed per step (CHUNK_SCAN_FACTORS and
     SCAN_ROW_FACTORS off, the benchmarks' A/B path)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", KEPT_SCRIPT, factors], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout.count("\n") == 4, proc.stdout
+    out = _interpret(KEPT_SCRIPT, tmp_path, factors)
+    assert out.count("\n") == 4, out
 
 
 def test_compile_report_builds_every_default_mlstm_kernel_for_sm90(tmp_path):
@@ -336,10 +338,8 @@ def test_fp16_backward_with_a_huge_state_gradient_runs_the_reference(tmp_path):
     gates (m_T about -12: NaN gradients from the kernels). The kernels decline that case and the
     reference (fp32 state math) takes it: finite gradients within fp16 accuracy; ordinary gates
     still run the kernels."""
-    env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", FP16_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout.count("\n") == 2, proc.stdout
+    out = _interpret(FP16_SCRIPT, tmp_path)
+    assert out.count("\n") == 2, out
 
 
 ROUTE_SCRIPT = textwrap.dedent("""
@@ -409,10 +409,8 @@ def test_fused_route_of_the_eps_term_matches_torch_in_interpreter(tmp_path):
     """mlstm_bwd_route (FUSED_ROUTE) routes dm through the stabilizer max like _route_max_grad: runs
     of the argmax across 1024-blocks, ties to the later index and to m0 as torch.cummax breaks
     them, the final m's gradient added to the last row, di and df in the gates' dtypes."""
-    env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", ROUTE_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout.count("\n") == 7, proc.stdout
+    out = _interpret(ROUTE_SCRIPT, tmp_path, timeout=900)
+    assert out.count("\n") == 7, out
 
 
 FAST_DECAY_SCRIPT = textwrap.dedent("""
@@ -445,11 +443,8 @@ def test_row_sums_keep_df_accurate_where_the_gate_algebra_loses_it(tmp_path, fme
     of -2, ~8x that in bf16), the row sums' stays near fp16's rounding (4.7e-4, 8.8e-4). Why
     GATES_FROM_ROW_SUMS is the default, and why the tuner bounds df loosely across the two. The
     same for an unsplit config (mlstm_bwd's row_sums mode, UNSPLIT_GATES_FROM_ROW_SUMS)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(tmp_path))
     script = FAST_DECAY_SCRIPT.replace("FMEAN", repr(fmean)).replace("USE_SPLIT_CFG", repr(split))
-    proc = subprocess.run([sys.executable, "-c", script], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    rows, algebra = ([float(e) for e in line.split()] for line in proc.stdout.strip().splitlines()[-2:])
+    out = _interpret(script, tmp_path, timeout=900)
+    rows, algebra = ([float(e) for e in line.split()] for line in out.strip().splitlines()[-2:])
     assert all(r <= 1e-3 for r in rows), rows  # dq, dk, dv, di, df: fp16's rounding level
     assert rows[4] * 3 <= algebra[4], (rows, algebra)
