@@ -407,14 +407,15 @@ GATES_FROM_ROW_SUMS = True
 # <C, dC>) lost df accuracy along the row (2.3e-2), and <C, dC> taken in mlstm_bwd_ds cost that
 # kernel more than the scan (docs/benchmarks.md, fifteenth session).
 
-UNSPLIT_GATES_FROM_ROW_SUMS = False
+UNSPLIT_GATES_FROM_ROW_SUMS = True
 # the configs without DKS (the tuner's agreement reference, DQK 512, fp32 from DQK 256, the
 # interpreter's) take the gates' gradients from the row sums too: mlstm_bwd stores q.dq and k.dk
-# per row from its fp32 dq and dk instead of running the gate algebra. In the interpreter it
-# brings their df to the split configs' accuracy with fast decay (fp16, f ~ N(0, .58): 4.7e-4
-# from fp64 against the algebra's 3.0e-3). Off until its speed and Triton 3.6 build are checked
-# on the H200: pytest -m gpu -k "row_sums or every_tuning" with it on, then
-# benchmarks/mlstm_sweep.py --bwd-kept.
+# per row from its fp32 dq and dk instead of running the gate algebra. H200, the first unsplit
+# candidate, backward from kept states (mlstm_sweep.py --scan-ab --ab UNSPLIT_GATES_FROM_ROW_SUMS,
+# sixteenth session): 4.542 -> 3.219 ms at B8 NH16 S8192 128/128, 1.207 -> 1.070 at B4 NH8 S2048
+# 256/512, and at 512/512 (B1 NH8 S2048) the per-chunk kernel 3.228 -> 0.324 ms (the algebra's
+# live tiles no longer spill). More accurate with fast decay (interpreter fp16, f ~ N(0, .58):
+# df 4.7e-4 from fp64 against the algebra's 3.0e-3; GPU bf16, DQK 512: pytest -m gpu -k row_sums).
 
 FUSED_ROUTE = True
 # the backward's last step, the eps term routed through the stabilizer max and the gates' final
