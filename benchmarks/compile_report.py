@@ -76,14 +76,13 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False,
         for phase, cands in phases:
             for cfg in cands if all_candidates else cands[:1]:
                 scan = triton_mlstm._scan_warps(cfg)
-                by_rows = triton_mlstm._gates_by_rows(cfg)  # as _backward decides
                 kernels = [("mlstm_chunk_gates.py.jinja", {}, 4),
                            ("mlstm_chunk_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), scan)]
                 fwd_tiles = dict(BV=cfg["BV"], **({"BKQ": cfg["BKQ"]} if cfg.get("BKQ") else {}))
                 kernels += ([("mlstm_fwd.py.jinja", fwd_tiles, cfg["warps"])] if phase == "fwd" else
                             [("mlstm_bwd_rows.py.jinja", dict(BV=cfg["BV"]), cfg["warps"]),
                              ("mlstm_bwd_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), scan),
-                             ("mlstm_bwd_ds.py.jinja" if by_rows and cfg.get("DKS") else "mlstm_bwd.py.jinja",
+                             ("mlstm_bwd_ds.py.jinja" if cfg.get("DKS") else "mlstm_bwd.py.jinja",
                               dict(BV=cfg["BV"], **{k: cfg[k] for k in ("DVS", "DKS") if cfg.get(k)}), cfg["warps"])])
                 if phase == "bwd" and cfg.get("DVS"):
                     kernels.append(("mlstm_bwd_dv.py.jinja", dict(BV=cfg["DVS"]), cfg["warps"]))
@@ -92,23 +91,19 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False,
                 if phase == "bwd":  # FUSED_ROUTE's tail (no tile config: once per head shape)
                     kernels.append(("mlstm_bwd_route.py.jinja", dict(BLOCK=1024, NTP=4), 4))
                 for template, tiles, warps in kernels:
-                    key = (template, DK, DV, cfg["L"], tuple(sorted(tiles.items())), warps, cfg["stages"], cfg.get("LF"),
-                           by_rows)
+                    key = (template, DK, DV, cfg["L"], tuple(sorted(tiles.items())), warps, cfg["stages"], cfg.get("LF"))
                     if key in seen:
                         continue
                     seen.add(key)
                     extra = (dict(has_state=False, gate_factors=triton_mlstm.CHUNK_SCAN_FACTORS, loads_first=bool(cfg.get("LF")))
                              if template == "mlstm_chunk_states.py.jinja" else
                              dict(k_loop="BKQ" in tiles, save_rows=True) if template == "mlstm_fwd.py.jinja" else
-                             dict(split_dv="DVS" in tiles, dv_tiles=DV // tiles.get("DVS", DV), split_dqdk="DKS" in tiles,
-                                  row_sums=by_rows) if template == "mlstm_bwd.py.jinja" else
-                             dict(split_dv="DVS" in tiles) if template == "mlstm_bwd_ds.py.jinja" else
+                             dict(split_dv="DVS" in tiles) if template in ("mlstm_bwd.py.jinja", "mlstm_bwd_ds.py.jinja") else
                              dict(row_factors=triton_mlstm.SCAN_ROW_FACTORS, saved_rows=True)
                              if template == "mlstm_bwd_rows.py.jinja" else
-                             dict(row_factors=triton_mlstm.SCAN_ROW_FACTORS, dg_next=by_rows)
+                             dict(row_factors=triton_mlstm.SCAN_ROW_FACTORS)
                              if template == "mlstm_bwd_states.py.jinja" else
-                             dict(row_sums=by_rows) if template in ("mlstm_bwd_dv.py.jinja", "mlstm_bwd_dqdk.py.jinja") else
-                             dict(has_state=False, row_sums=by_rows) if template == "mlstm_bwd_route.py.jinja" else {})
+                             dict(has_state=False) if template == "mlstm_bwd_route.py.jinja" else {})
                     fn = _load(*triton_mlstm._render(template, dtype, False, **extra))
                     cons = dict(DK=DK, DV=DV, L=cfg["L"], **{k: v for k, v in tiles.items() if k not in ("DVS", "DKS")})
                     cons = {k: v for k, v in cons.items() if k in fn.arg_names}  # the gates kernel takes L alone

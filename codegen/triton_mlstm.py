@@ -179,7 +179,7 @@ FP32_BACKWARD = {256: [dict(_FP32_BWD, L=32, BV=32, warps=8), dict(_FP32_BWD, L=
 
 SPLIT3 = dict(L=64, BV=64, BK=64, BVS=128, warps=4, stages=2, DVS=64, DKS=128)
 # the backward in three per-chunk kernels: dv per DVS-wide DV tile (mlstm_bwd_dv), the gates and
-# dS per chunk (mlstm_bwd, split_dqdk; only [L, L] tiles live), dq and dk per DKS-wide DK tile
+# dS per chunk (mlstm_bwd_ds; only [L, L] tiles live), dq and dk per DKS-wide DK tile
 # (mlstm_bwd_dqdk, two [L, DKS] accumulators; at 4 warps both still spill 0.7-2 KB at sm_90, at
 # 8 warps they do not, and lose: 5.16 / 6.60 ms). The fastest backward on the H200 (Triton 3.6,
 # 2026-11-30): 4.09 ms at B8 NH16 S8192 128/128 and 6.00 ms at the 7B head shape, against 4.97
@@ -191,8 +191,8 @@ SPLIT3 = dict(L=64, BV=64, BK=64, BVS=128, warps=4, stages=2, DVS=64, DKS=128)
 
 
 SPLIT2 = dict(L=64, BV=64, BK=64, BVS=128, warps=4, stages=2, DKS=128)
-# the backward in two per-chunk kernels: dv, the gates and dS in one program per chunk (mlstm_bwd
-# with split_dqdk, DV walked in BV tiles), then dq and dk per DKS-wide DK tile. Every backward
+# the backward in two per-chunk kernels: dv, the gates and dS in one program per chunk (mlstm_bwd_ds,
+# DV walked in BV tiles), then dq and dk per DKS-wide DK tile. Every backward
 # kernel is memory-bound on the H200; SPLIT3's dv kernel reads q and k once per DV tile and its
 # gates kernel reads q, k, v and dh again: this reads them once per chunk (at B8 NH16 S8192
 # 128/128, 120 KB per chunk against 216 KB; at the 7B heads 520 KB against 1160 KB). Backward from
@@ -278,8 +278,7 @@ def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch, kept: bool = Fa
 
     key = (f"mlstm_{phase}{'|kept' if kept else ''}{chunk or ''}|{q.dtype}|DK{DK}|DV{DV}|S~{1 << (S - 1).bit_length()}|BH~{1 << (B * H - 1).bit_length()}|"
            f"{torch.cuda.get_device_name(q.device)}|torch{torch.__version__}|triton{triton.__version__}|"
-           f"tpl{template_digest()}|tv{cache.TUNING_VERSION}"
-           f"{'' if phase == 'fwd' else f'|rows{int(GATES_FROM_ROW_SUMS)}{int(UNSPLIT_GATES_FROM_ROW_SUMS)}'}")  # speeds change with them
+           f"tpl{template_digest()}|tv{cache.TUNING_VERSION}")
     if key in _CHOSEN:
         return _CHOSEN[key]
     default, cands = config(DK, DV, size), candidates(DK, DV, size)  # only on a memo miss
@@ -322,28 +321,10 @@ def _fastest(label: str, default: dict, cands: list[dict], launch, timings: list
     def bench(cfg):
         got = _compared(launch(cfg))
         tolerances = [1e-2] + [2e-2] * (len(want) - 1)
-        if len(want) >= 5 and _gates_by_rows(cfg) != _gates_by_rows(ref):
-            tolerances[4] = DF_ACROSS_GATE_METHODS
         if not all((g - w).norm() <= tol * w.norm() for g, w, tol in zip(got, want, tolerances)):
             raise ValueError("result differs from the reference config's")
         return triton.testing.do_bench(lambda: launch(cfg), warmup=3, rep=15, return_mode="median")
     return cache.fastest(label, cands, bench, best=ref, timings=timings)
-
-
-DF_ACROSS_GATE_METHODS = 0.25
-# df's agreement bound between a config taking the gates' gradients from the row sums and one
-# taking them from the per-chunk gate algebra (the tuner's reference): with small forget gates
-# (fast decay, as xLSTMLarge at init) the algebra's df carries several 1e-2 of its own error in
-# bf16 while the row sums stay near 3e-3 (H200, S 2048 256/512, inputs ~ N(0, .58): 2.6e-2 against
-# 3.3e-3 from fp64, tests/test_gpu_mlstm.py; fp16 in the interpreter: 3.0e-3 against 4.7e-4), so
-# the two differ by more than the 2e-2 that two right configs of one method keep, and in the
-# model the tuner rejected every row-sum config; a broken kernel is off by O(1) or NaN.
-
-
-def _gates_by_rows(cfg: dict) -> bool:
-    """Whether a backward config takes the gates' gradients from the row sums (mlstm_bwd_ds for
-    the split configs, mlstm_bwd's row_sums mode for the others)."""
-    return GATES_FROM_ROW_SUMS and (bool(cfg.get("DKS")) or UNSPLIT_GATES_FROM_ROW_SUMS)
 
 
 def _compared(outputs) -> list:
@@ -394,28 +375,22 @@ SAVED_ROWS = True
 # the backward from kept chunk states reads each row's den and m_t, stored by the forward, in
 # mlstm_bwd_rows instead of recomputing q k^T there (False: recompute, for mlstm_sweep.py --scan-ab)
 
-GATES_FROM_ROW_SUMS = True
-# the split candidates (DKS) take the gates' gradients with the stabilizers fixed from q.dq and
-# k.dk per row (di = k.dk; dlogf inside each chunk a reverse cumsum of q.dq - k.dk, plus <C, dC>
-# at the chunk's end for the rows after it, taken by the state scan; exact, see
-# mlstm_bwd_ds.py.jinja), summed in mlstm_bwd_dqdk from its fp32 gradients: the per-chunk kernel
-# (mlstm_bwd_ds) drops its gate algebra. H200, backward from kept states, bf16
-# (benchmarks/mlstm_sweep.py --scan-ab --ab GATES_FROM_ROW_SUMS): 2.553 -> 2.290 ms at B8 NH16
-# S8192 128/128, 3.430 -> 3.074 at B8 NH8 S4096 256/512, 0.912 -> 0.816 (kernels) at the model's
-# shape. More accurate too: df 3.3e-3 from fp64 both ways at S 8192, and 3.3e-3 against the
-# algebra's 2.6e-2 with fast decay (pytest -m gpu -k row_sums). A cumsum over the whole row (no
-# <C, dC>) lost df accuracy along the row (2.3e-2), and <C, dC> taken in mlstm_bwd_ds cost that
-# kernel more than the scan (docs/benchmarks.md, fifteenth session).
-
-UNSPLIT_GATES_FROM_ROW_SUMS = True
-# the configs without DKS (the tuner's agreement reference, DQK 512, fp32 from DQK 256, the
-# interpreter's) take the gates' gradients from the row sums too: mlstm_bwd stores q.dq and k.dk
-# per row from its fp32 dq and dk instead of running the gate algebra. H200, the first unsplit
-# candidate, backward from kept states (mlstm_sweep.py --scan-ab --ab UNSPLIT_GATES_FROM_ROW_SUMS,
-# sixteenth session): 4.542 -> 3.219 ms at B8 NH16 S8192 128/128, 1.207 -> 1.070 at B4 NH8 S2048
-# 256/512, and at 512/512 (B1 NH8 S2048) the per-chunk kernel 3.228 -> 0.324 ms (the algebra's
-# live tiles no longer spill). More accurate with fast decay (interpreter fp16, f ~ N(0, .58):
-# df 4.7e-4 from fp64 against the algebra's 3.0e-3; GPU bf16, DQK 512: pytest -m gpu -k row_sums).
+# The gates' gradients from row sums (all backward configs since the sixteenth session; the flags
+# GATES_FROM_ROW_SUMS and UNSPLIT_GATES_FROM_ROW_SUMS are retired with the per-chunk gate
+# algebra they replaced): with the stabilizers fixed, di = k.dk per row and dlogf inside each chunk
+# is a reverse cumsum of q.dq - k.dk, plus <C, dC> at the chunk's end for the rows after it, taken
+# by the state scan (exact, see mlstm_bwd_ds.py.jinja). The per-chunk kernels sum q.dq and k.dk
+# from their fp32 dq and dk (mlstm_bwd_dqdk per DK tile, or the unsplit mlstm_bwd), and
+# mlstm_bwd_route adds them up. H200, backward from kept states, bf16 (mlstm_sweep.py --scan-ab):
+# split configs 2.553 -> 2.290 ms at B8 NH16 S8192 128/128, 3.430 -> 3.074 at B8 NH8 S4096
+# 256/512, 0.912 -> 0.816 (kernels) at the model's shape; the first unsplit candidate 4.542 ->
+# 3.219 at 128/128, 1.207 -> 1.070 at B4 NH8 S2048 256/512, and at 512/512 its per-chunk kernel
+# 3.228 -> 0.324 ms (the algebra's live tiles no longer spill). More accurate too: the algebra's
+# reverse cumsum cancelled differently rounded terms, and with fast decay (every input ~ N(0, .58),
+# as xLSTMLarge at init) its bf16 df error from fp64 was 2.6e-2 at 256/512 and 1.8e-2 at 512/512
+# against the row sums' 3.3e-3 and 5.4e-3 (pytest -m gpu -k row_sums). A cumsum over the whole row
+# (no <C, dC>) lost df accuracy along the row (2.3e-2), and <C, dC> taken in mlstm_bwd_ds cost that
+# kernel more than the scan (docs/benchmarks.md, fifteenth and sixteenth sessions).
 
 FUSED_ROUTE = True
 # the backward's last step, the eps term routed through the stabilizer max and the gates' final
@@ -640,12 +615,13 @@ def _kept_states(chunk_states, q, v, chunk_size):
             tuple(t.float().contiguous() for t in (C, n, m)))
 
 
-def route_max_grad(dm, gm, dmT, di, dlogf, i, f, m0=None, rows=None):
-    """(di + routed, (dlogf + routed) * sigmoid(-f) in the gates' dtypes, the routed part of dm0
-    or None) for dm [B, H, S] with gm + dmT.sum(-1) added to its last row: what _backward's torch
-    tail computes with ops/mlstm_backward._route_max_grad, in one launch (mlstm_bwd_route). With
-    rows = (rs, cdc, L): di and dlogf from q.dq and k.dk per row and DK tile (rs, [B*H, tiles, 2,
-    S]) and <C, dC> at each chunk's end (cdc, [B*H, NC]), chunk length L (GATES_FROM_ROW_SUMS)."""
+def route_max_grad(dm, gm, dmT, i, f, rs, cdc, L, m0=None):
+    """(di, df in the gates' dtypes, the routed part of dm0 or None) in one launch
+    (mlstm_bwd_route): the gates' gradients with the stabilizers fixed from q.dq and k.dk per row
+    and DK tile (rs, [B*H, tiles, 2, S]) and <C, dC> at each chunk's end (cdc, [B*H, NC]; chunk
+    length L), plus the eps term dm [B, H, S] (gm + dmT.sum(-1) added to its last row) routed
+    through the stabilizer max: what _backward's torch tail computes with
+    ops/mlstm_backward._route_max_grad."""
     from triton import next_power_of_2
 
     B, H, S = i.shape
@@ -656,17 +632,28 @@ def route_max_grad(dm, gm, dmT, di, dlogf, i, f, m0=None, rows=None):
     dm0 = torch.empty((B, H), dtype=torch.float32, device=i.device) if m0 is not None else None
     NT = dmT.shape[-1]
     block = min(1024, next_power_of_2(S))
-    by_rows = {}
-    if rows is not None:
-        rs, cdc, L = rows
-        gates, by_rows = (rs, rs.numel() // (B * H * 2 * S), cdc, cdc.numel() // (B * H)), dict(L=L)
-    else:
-        gates = (di, dlogf)
-    _launch(_kernel("mlstm_bwd_route.py.jinja", i.dtype, has_state=m0 is not None, row_sums=rows is not None), (B * H,),
-            i, f, dm, gm.float().contiguous(), dmT, *gates, m0.float().contiguous() if m0 is not None else dm,
+    _launch(_kernel("mlstm_bwd_route.py.jinja", i.dtype, has_state=m0 is not None), (B * H,),
+            i, f, dm, gm.float().contiguous(), dmT, rs, rs.numel() // (B * H * 2 * S), cdc, cdc.numel() // (B * H),
+            m0.float().contiguous() if m0 is not None else dm,
             start, di_out, df_out, dm0 if dm0 is not None else dm, *_rows(i, f), S, NT,
-            NTP=next_power_of_2(NT), BLOCK=block, num_warps=4, **by_rows)
+            NTP=next_power_of_2(NT), BLOCK=block, L=L, num_warps=4)
     return di_out, df_out, dm0
+
+
+def gates_from_row_sums(rs, cdc, dmT, B: int, H: int, S: int, L: int):
+    """(di, dlogf) [B, H, S] with the stabilizers fixed, in torch: di_t = k_t.dk_t and dlogf_p the
+    sum of q_t.dq_t - k_t.dk_t over the rows t >= p of p's chunk plus <C, dC> at the chunk's end
+    (cdc, [B*H, NC]; for the last chunk the final state's <gC, C_T> + <gn, n_T>, -dmT summed), from
+    the row sums rs [B*H, tiles, 2, S] (mlstm_bwd_ds says why). What mlstm_bwd_route computes before
+    routing the eps term; the torch tail (FUSED_ROUTE False) and the tests use it."""
+    import torch.nn.functional as F
+
+    NC = -(-S // L)
+    r = rs.view(B, H, -1, 2, S).sum(2)
+    d = F.pad(r[:, :, 0] - r[:, :, 1], (0, NC * L - S)).view(B, H, NC, L)
+    ends = cdc.view(B, H, NC).clone()
+    ends[..., -1] = -dmT.sum(-1).view(B, H)
+    return r[:, :, 1], (d.flip(-1).cumsum(-1).flip(-1) + ends[..., None]).view(B, H, NC * L)[..., :S]
 
 
 def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None):
@@ -686,67 +673,52 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
         rows = rows if SAVED_ROWS else None
     else:
         (Cs, ns, ms), (CT, nT, mT) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
-    N, dden, hdh, dm = (torch.empty(B, H, S, device=dev, dtype=f32) for _ in range(4))
-    # the scan's row factors r/N, r dden [B, H, S] and chunk factors exp(g), exp(g + m) [B*H*NC]
-    factors = [torch.empty(n, device=dev, dtype=f32) for n in (B * H * S, B * H * S, B * H * NC, B * H * NC)] \
+    N, dden, dm = (torch.empty(B, H, S, device=dev, dtype=f32) for _ in range(3))
+    # the scan's row factors r/N, r dden [B, H, S] and chunk factor exp(g) [B*H*NC]
+    factors = [torch.empty(n, device=dev, dtype=f32) for n in (B * H * S, B * H * S, B * H * NC)] \
         if SCAN_ROW_FACTORS else []
     saved = (rows,) if rows is not None else ()
     _launch(_kernel("mlstm_bwd_rows.py.jinja", q.dtype, row_factors=SCAN_ROW_FACTORS, saved_rows=bool(saved)),
-        (B * H, NC), q, k, i, f, h, dh, ns, ms, *saved, N, dden, hdh, dm, *factors, *_rows(q, k, i, f, dh),
+        (B * H, NC), q, k, i, f, h, dh, ns, ms, *saved, N, dden, dm, *factors, *_rows(q, k, i, f, dh),
         S, NC, DK ** -0.5, eps, DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     dCs, dns = torch.empty_like(Cs), torch.empty_like(ns)
     dC0, dn0 = torch.empty_like(gC), torch.empty_like(gn)
     DVS = cfg.get("DVS")  # split variant: dv in its own kernel, one program per DV tile
     DKS = cfg.get("DKS")  # and dq, dk in theirs, one program per DK tile (without DVS: dv stays in mlstm_bwd)
-    by_rows = _gates_by_rows(cfg)  # the gates' gradients from q.dq and k.dk (mlstm_bwd_ds or mlstm_bwd's row_sums)
     dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
-    dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)  # per (chunk, scan tile) parts of the forget term
-    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, row_factors=SCAN_ROW_FACTORS, dg_next=by_rows),
+    dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)  # per (chunk, scan tile) parts of <C, dC> at the chunk's end
+    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, row_factors=SCAN_ROW_FACTORS),
         (B * H, DK // BK, DV // BVS), q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0,
         *factors, *_rows(q, dh, i, f), S, NC, NT, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=_scan_warps(cfg), num_stages=stages)
     # in the layout the op's fake promises (ops/mlstm.gradient_strides: a dense transposed view's own)
     dq, dk, dv = (gradient_like(t) for t in (q, k, v))
-    di = dlogf = rs = None
-    dg = dg.sum(-1)  # by_rows: <C, dC> at each chunk's end; else the whole-chunk forget term
-    if by_rows:  # q.dq and k.dk per row and DK tile
-        rs = torch.empty(B * H * (DK // DKS if DKS else 1) * 2 * S, device=dev, dtype=f32)
-    else:
-        di, dlogf = torch.empty(B, H, S, device=dev, dtype=f32), torch.empty(B, H, S, device=dev, dtype=f32)
+    dg = dg.sum(-1)  # <C, dC> at each chunk's end
+    # the gates' gradients from q.dq and k.dk per row and DK tile (the row-sum note above FUSED_ROUTE)
+    rs = torch.empty(B * H * (DK // DKS if DKS else 1) * 2 * S, device=dev, dtype=f32)
     if DVS:
-        kdcv = dv if by_rows else torch.empty(B * H * NC * (DV // DVS) * L, device=dev, dtype=f32)  # its k.dC.v row sums
-        _launch(_kernel("mlstm_bwd_dv.py.jinja", q.dtype, row_sums=by_rows), (B * H, NC, DV // DVS),
-            q, k, v, i, f, dh, ms, dCs, N, dv, kdcv,
+        _launch(_kernel("mlstm_bwd_dv.py.jinja", q.dtype), (B * H, NC, DV // DVS),
+            q, k, v, i, f, dh, ms, dCs, N, dv,
             *_rows(q, k, v, i, f, dh, dv), S, NC, DK ** -0.5, DK=DK, DV=DV, BV=DVS, L=L, num_warps=warps, num_stages=stages)
     if DKS:  # dS scratch: L/DK of q's size (128 MiB at B8 NH16 S8192 128/128)
         dS = torch.empty(B * H * NC * L * L, device=dev, dtype=q.dtype)
         wu = torch.empty(B * H * NC * 2 * L, device=dev, dtype=f32)
-    if by_rows and DKS:
         _launch(_kernel("mlstm_bwd_ds.py.jinja", q.dtype, split_dv=bool(DVS)), (B * H, NC),
             q, k, v, i, f, dh, ms, dCs, N, dden, dS, wu, dv, *_rows(q, k, v, i, f, dh, *(() if DVS else (dv,))),
             S, NC, DK ** -0.5, DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
-    else:
-        _launch(_kernel("mlstm_bwd.py.jinja", q.dtype, split_dv=bool(DVS), dv_tiles=DV // DVS if DVS else 0,
-                        split_dqdk=bool(DKS), row_sums=by_rows), (B * H, NC),
-            q, k, v, i, f, dh, Cs, ns, ms, dCs, dns, dg, N, dden, hdh, *((dS, wu) if DKS else (dq, dk)),
-            kdcv if DVS else dv, *((rs,) if by_rows else (di, dlogf)), *_rows(q, k, v, i, f, dh, *(() if DKS else (dq, dk)), *(() if DVS else (dv,))),
-            S, NC, DK ** -0.5,
-            DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
-    if DKS:
-        _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype, row_sums=by_rows), (B * H, NC, DK // DKS),
-            q, k, v, dh, Cs, ns, dCs, dns, N, dden, dS, wu, dq, dk, *((rs,) if by_rows else ()),
+        _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype), (B * H, NC, DK // DKS),
+            q, k, v, dh, Cs, ns, dCs, dns, N, dden, dS, wu, dq, dk, rs,
             *_rows(q, k, v, dh, dq, dk), S, NC, DK ** -0.5,
             DK=DK, DV=DV, BK=DKS, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
+    else:
+        _launch(_kernel("mlstm_bwd.py.jinja", q.dtype, split_dv=bool(DVS)), (B * H, NC),
+            q, k, v, i, f, dh, Cs, ns, ms, dCs, dns, N, dden, dq, dk, dv, rs,
+            *_rows(q, k, v, i, f, dh, dq, dk, *(() if DVS else (dv,))), S, NC, DK ** -0.5,
+            DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     m0s = m0.float() if C0 is not None else None
     if FUSED_ROUTE:
-        di_out, df_out, r_dm0 = route_max_grad(dm, gm, dmT, di, dlogf, i, f, m0s, (rs, dg, L) if by_rows else None)
+        di_out, df_out, r_dm0 = route_max_grad(dm, gm, dmT, i, f, rs, dg, L, m0s)
     else:
-        if by_rows:  # the gates' gradients with the stabilizers fixed, from the row sums (mlstm_bwd_ds)
-            r = rs.view(B, H, -1, 2, S).sum(2)
-            di = r[:, :, 1]
-            d = F.pad(r[:, :, 0] - r[:, :, 1], (0, NC * L - S)).view(B, H, NC, L)
-            cdc = dg.view(B, H, NC).clone()
-            cdc[..., -1] = -dmT.sum(-1).view(B, H)  # the final state's <gC, C_T> + <gn, n_T>
-            dlogf = (d.flip(-1).cumsum(-1).flip(-1) + cdc[..., None]).view(B, H, NC * L)[..., :S]
+        di, dlogf = gates_from_row_sums(rs, dg, dmT, B, H, S, L)
         dm[..., -1] += gm + dmT.sum(-1).view(B, H)
         i32, f32_ = i.float(), f.float()
         r_di, r_dlogf, r_dm0 = _route_max_grad(dm, i32, F.logsigmoid(f32_).cumsum(-1), m0s)
