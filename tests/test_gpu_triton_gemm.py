@@ -34,6 +34,13 @@ def _check(case, cfg, a, bs, ops, text, transposed):
     for o, w in zip(outs, want):
         assert not o.isnan().any()
         assert rel_err(o.view(w.shape), w) <= 1e-2, cfg
+    # the launch plan a decided case keeps for later calls (decode's host time), same config
+    from torch_xaccel.codegen import triton_gemm
+
+    plan = triton_gemm._make_plan(case, cfg, a, bs, ops)
+    planned = plan(a, bs, ops) if plan is not None else None
+    for o, w in zip(planned or (), want):
+        assert rel_err(o.view(w.shape), w) <= 1e-2, ("plan", cfg)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

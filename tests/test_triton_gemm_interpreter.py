@@ -52,10 +52,18 @@ SCRIPT = textwrap.dedent("""
         got = triton_gemm.provider("k%d" % trial, a, bs, ops, text, bt)
         assert got is not NotImplemented
         want = reference(a, bs, ops, text, bt)
-        for g, w in zip(got, want):
-            err = ((g - w).norm() / w.norm()).item()
-            print(trial, ep.describe(), tuple(g.shape), f"{err:.1e}")
-            fails += not (g.shape == w.shape and err < 1e-5)
+        # a second call with fresh inputs in the same layout runs the launch plan the first left
+        # (_Case unavailable: the general path would fail)
+        fresh = lambda t: torch.randn_like(t)
+        a2, bs2, ops2 = fresh(a), [fresh(b) for b in bs], [fresh(t) for t in ops]
+        case_cls, triton_gemm._Case = triton_gemm._Case, None
+        got2 = triton_gemm.provider("k%d" % trial, a2, bs2, ops2, text, bt)
+        triton_gemm._Case = case_cls
+        want2 = reference(a2, bs2, ops2, text, bt)
+        for g, w, g2, w2 in zip(got, want, got2, want2):
+            err, err2 = (((x - y).norm() / y.norm()).item() for x, y in ((g, w), (g2, w2)))
+            print(trial, ep.describe(), tuple(g.shape), f"{err:.1e}", f"plan {err2:.1e}")
+            fails += not (g.shape == w.shape == g2.shape and err < 1e-5 and err2 < 1e-5)
     # the persistent TMA variants (the GPU's usual picks), forced on for CPU tensors. Triton 3.6's
     # interpreter hands program ids over as 1-element arrays, which a persistent range cannot use.
     import triton
@@ -73,11 +81,15 @@ SCRIPT = textwrap.dedent("""
         case.tma = True
         want = reference(a, bs, ops, ep.to_json(), bt)
         for variant in ("tma", "tma2"):
+            cfg = (variant, 32, 32, 32, 4, 4, 1, trial % 2)
             outs = case.new_outputs()
-            case.launch((variant, 32, 32, 32, 4, 4, 1, trial % 2), outs)
+            case.launch(cfg, outs)
             err = max(((g - w).norm() / w.norm()).item() for g, w in zip(outs, want))
-            print(variant, trial, ep.describe(), f"{err:.1e}")
-            fails += not err < 1e-5
+            # and its launch plan (descriptors built per call), on the same inputs
+            planned = triton_gemm._Plan(case, cfg)(a, bs, ops)
+            err2 = max(((g - w).norm() / w.norm()).item() for g, w in zip(planned, want))
+            print(variant, trial, ep.describe(), f"{err:.1e}", f"plan {err2:.1e}")
+            fails += not (err < 1e-5 and err2 < 1e-5)
     raise SystemExit(fails)
 """)
 
@@ -206,3 +218,41 @@ def test_outputs_or_inputs_past_int32_offsets_go_to_aten(monkeypatch):
     assert tg._int32_reach(sliced[:4], [head], [], True)  # its first rows: small
     assert not tg._int32_reach(sliced, [head[:8]], [], True)  # 4.2e6 outputs, but a reaches past 2^31
     assert tg._int32_reach(torch.empty(40000, 4096, dtype=torch.bfloat16, device="meta"), [head], [], True)
+
+
+def test_launch_plan_runs_only_for_its_decision_and_layout(monkeypatch):
+    """A call reuses a case's launch plan only while the decision it was built for stands (the
+    same config object, no CUTLASS build pending for the case) and its inputs have the plan's
+    strides; a plan that declines a call (TMA alignment) hands it to the general path."""
+    import torch
+
+    from torch_xaccel.codegen import triton_gemm as tg
+    from torch_xaccel.ops import gemm_epilogue
+
+    monkeypatch.setattr(gemm_epilogue, "aten_composition", lambda *a: "general path")
+    monkeypatch.setattr(tg, "_int32_reach", lambda *a: False)  # the general path's first exit
+    monkeypatch.setattr(tg, "_DECISIONS", {})
+    monkeypatch.setattr(tg, "_PENDING", {})
+    monkeypatch.setattr(tg, "_PLANS", {})
+    a, b = torch.randn(4, 8), torch.randn(6, 8)
+    cfg = ("ptr", 32, 32, 32, 4, 4, 1, 0)
+
+    class Plan:
+        def __init__(self, result):
+            self.cfg, self.result = cfg, result
+
+        def __call__(self, a, bs, operands):
+            return self.result
+    tg._PLANS[tg._plan_key("k", a, [b], [])] = Plan("planned")
+    assert tg.provider("k", a, [b], [], "unused", True) == "general path"  # not decided (yet)
+    tg._DECISIONS["k"] = cfg
+    assert tg.provider("k", a, [b], [], "unused", True) == "planned"
+    assert tg.provider("k", a.t().contiguous().t(), [b], [], "unused", True) == "general path"  # other strides
+    tg._PENDING["k"] = (0.0, [])
+    assert tg.provider("k", a, [b], [], "unused", True) == "general path"  # retuned once CUTLASS builds
+    del tg._PENDING["k"]
+    tg._DECISIONS["k"] = tuple(cfg)[:4] + tuple(cfg)[4:]  # equal, but a new decision
+    assert tg.provider("k", a, [b], [], "unused", True) == "general path"
+    tg._DECISIONS["k"] = cfg
+    tg._PLANS[tg._plan_key("k", a, [b], [])] = Plan(None)  # declines this call
+    assert tg.provider("k", a, [b], [], "unused", True) == "general path"

@@ -11,4 +11,5 @@ from . import mlstm, mlstm_step  # noqa: F401  (torch.ops.xaccel.mlstm, torch.op
 # op overload -> the plain function behind it. A compiled forward graph runs with autograd
 # already handled by aot_autograd, so it may call these directly and skip the custom-op
 # dispatch (tens of microseconds a call: it decides whether decode-size GEMMs pay off).
-DIRECT_CALLS = {torch.ops.xaccel.gemm_epilogue.default: gemm_epilogue.run}
+DIRECT_CALLS = {torch.ops.xaccel.gemm_epilogue.default: gemm_epilogue.run,
+                torch.ops.xaccel.mlstm_step.default: mlstm_step.run}
