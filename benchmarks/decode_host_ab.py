@@ -1,0 +1,80 @@
+"""One-token decode of the 7B-width xLSTMLarge (batch 1, bf16, after a 64-token prompt), plain
+calls: host-bound, so the bench's per-process timings of it spread by 20 % and more between runs
+(sixteenth session: the anchor 4.97 then 4.09 ms). This times the paths in one process,
+alternating rounds of wall-clock time per call (queued back to back, synchronised at the round's
+end), median per path: the anchor (the package's Triton kernels, uncompiled) and xaccel with the
+GEMM launch plans (triton_gemm.LAUNCH_PLANS) on and off on the same compiled model. One rest
+fallback per process: two compiled instances of one model class may share Dynamo's cache entry.
+Run on the GPU machine:
+
+    python benchmarks/decode_host_ab.py --fallback eager|inductor [--rounds 15] [--calls 50]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+
+def decoder(kernels: dict, fallback: str | None):
+    """A one-token call of the model with these kernels, compiled by xaccel with this rest
+    fallback (None: uncompiled)."""
+    from xlstm.xlstm_large.model import xLSTMLarge, xLSTMLargeConfig
+
+    cfg = xLSTMLargeConfig(vocab_size=50304, chunk_size=64, mode="inference", return_last_states=True,
+                           embedding_dim=4096, num_heads=8, num_blocks=4, **kernels)
+    torch.manual_seed(0)
+    model = xLSTMLarge(cfg).to("cuda", torch.bfloat16)
+    if fallback is not None:
+        os.environ["XACCEL_FALLBACK"] = fallback
+        model = torch.compile(model, backend="xaccel")
+    with torch.inference_mode():
+        _, state = model(torch.randint(0, 50304, (1, 64), device="cuda"))
+        tok = torch.randint(0, 50304, (1, 1), device="cuda")
+        for _ in range(5):  # compile, tune, settle
+            model(tok, state)
+    torch.cuda.synchronize()
+
+    def call():
+        with torch.inference_mode():
+            model(tok, state)
+    return call
+
+
+def main() -> None:
+    from torch_xaccel.codegen import triton_gemm
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fallback", default="eager", choices=("eager", "inductor"))
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--calls", type=int, default=50)
+    args = ap.parse_args()
+    native = dict(chunkwise_kernel="chunkwise--native_autograd", sequence_kernel="native_sequence__native",
+                  step_kernel="native")
+    anchor = dict(chunkwise_kernel="chunkwise--triton_limit_chunk", sequence_kernel="native_sequence__triton",
+                  step_kernel="triton")
+    calls = {"anchor (xlstm Triton kernels)": decoder(anchor, None),
+             f"xaccel, rest {args.fallback}": decoder(native, args.fallback)}
+    arms = [(name, plans) for name in calls for plans in ((True, False) if "xaccel" in name else (True,))]
+    times: dict = {arm: [] for arm in arms}
+    for _ in range(args.rounds):
+        for name, plans in arms:
+            triton_gemm.LAUNCH_PLANS = plans
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                calls[name]()
+            torch.cuda.synchronize()
+            times[(name, plans)].append((time.perf_counter() - t0) * 1e3 / args.calls)
+    triton_gemm.LAUNCH_PLANS = True
+    for (name, plans), ms in times.items():
+        label = name + ("" if "xaccel" not in name else ", launch plans " + ("on" if plans else "off"))
+        print(f"{label:50s} median {statistics.median(ms):.3f} ms per token (min {min(ms):.3f}, max {max(ms):.3f}, "
+              f"{args.rounds} rounds x {args.calls} calls)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
