@@ -191,9 +191,9 @@ SPLIT3 = dict(L=64, BV=64, BK=64, BVS=128, warps=4, stages=2, DVS=64, DKS=128)
 
 
 SPLIT2 = dict(L=64, BV=64, BK=64, BVS=128, warps=4, stages=2, DKS=128)
-# the backward in two per-chunk kernels: dv, the gates and dS in one program per chunk (mlstm_bwd_ds,
-# DV walked in BV tiles), then dq and dk per DKS-wide DK tile. Every backward
-# kernel is memory-bound on the H200; SPLIT3's dv kernel reads q and k once per DV tile and its
+# the backward in two per-chunk kernels: dv and dS in one program per chunk (mlstm_bwd_ds, DV
+# walked in BV tiles), then dq and dk per DKS-wide DK tile. Every backward kernel is memory-bound
+# on the H200; SPLIT3's dv kernel reads q and k once per DV tile and its
 # gates kernel reads q, k, v and dh again: this reads them once per chunk (at B8 NH16 S8192
 # 128/128, 120 KB per chunk against 216 KB; at the 7B heads 520 KB against 1160 KB). Backward from
 # kept states on the H200 (Triton 3.6, twelfth session): 3.022 / 3.876 ms against SPLIT3's 3.166 /
@@ -684,7 +684,7 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     dCs, dns = torch.empty_like(Cs), torch.empty_like(ns)
     dC0, dn0 = torch.empty_like(gC), torch.empty_like(gn)
     DVS = cfg.get("DVS")  # split variant: dv in its own kernel, one program per DV tile
-    DKS = cfg.get("DKS")  # and dq, dk in theirs, one program per DK tile (without DVS: dv stays in mlstm_bwd)
+    DKS = cfg.get("DKS")  # and dq, dk in theirs, one program per DK tile (without DVS: dv stays in mlstm_bwd_ds)
     dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
     dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)  # per (chunk, scan tile) parts of <C, dC> at the chunk's end
     _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, row_factors=SCAN_ROW_FACTORS),
