@@ -63,7 +63,8 @@ def test_inductor_only_settings_under_the_eager_fallback_warn():
 
 
 def test_options_reach_inductor_under_the_inductor_fallback(xaccel_env, monkeypatch):
-    """With XACCEL_FALLBACK=inductor the patches go to compile_fx as they are."""
+    """With XACCEL_FALLBACK=inductor the patches go to compile_fx as they are (plus the no-op pass
+    that keys Inductor's caches by the xaccel ops, torch_xaccel/inductor_cache.py)."""
     import torch._inductor.compile_fx as cfx
 
     seen = []
@@ -77,7 +78,8 @@ def test_options_reach_inductor_under_the_inductor_fallback(xaccel_env, monkeypa
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # nothing is ignored here
         _compile_and_check(options={"epilogue_fusion": False})
-    assert seen and seen[0] == {"epilogue_fusion": False}
+    assert seen and {k: v for k, v in seen[0].items() if k != "post_grad_custom_pre_pass"} == {"epilogue_fusion": False}
+    assert type(seen[0]["post_grad_custom_pre_pass"]).__name__ == "XaccelOpsKey"
 
 
 def test_static_inputs_without_aot_metadata_are_the_marked_tensors():
@@ -168,6 +170,9 @@ def test_inductor_rest_sees_the_parameters_as_static(xaccel_env, monkeypatch):
     seen = []
     real = cfx.get_static_input_idxs
     monkeypatch.setattr(cfx, "get_static_input_idxs", lambda n: seen.append(real(n)) or seen[-1])
+    # compiled afresh: a cache hit (an earlier run's graph) would not ask for the static inputs
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     xaccel_env(XACCEL_FALLBACK="inductor")
     lin = torch.nn.Linear(8, 12)
     x = torch.randn(16, 8)

@@ -74,7 +74,9 @@ def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str, patch
     if fallback == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        from .inductor_cache import prepare
+
+        return compile_fx(gm, example_inputs, config_patches=prepare(gm, patches))
     if patches.get(CUDAGRAPHS):
         from .graphed_rest import compile_graphed
 
