@@ -6,6 +6,8 @@ Per mode it prints the first call's seconds, how many tuning decisions were time
 process should time none) and Inductor's cache counters. Run on the GPU machine:
 
     python benchmarks/compile_times.py [--fallback eager|inductor] [--modes prefill,train]
+
+(`--small` on a CPU: the code path at 256 wide, 2 blocks, 1 x 64 tokens, fp32; not a timing.)
 """
 from __future__ import annotations
 
@@ -16,16 +18,18 @@ import time
 import torch
 
 
-def first_call(mode: str) -> float:
+def first_call(mode: str, small: bool) -> float:
     from xlstm.xlstm_large.model import xLSTMLarge, xLSTMLargeConfig
 
-    cfg = xLSTMLargeConfig(vocab_size=50304, chunk_size=64, mode="inference" if mode == "prefill" else "train",
-                           return_last_states=mode == "train", embedding_dim=4096, num_heads=8, num_blocks=4,
+    width, blocks, vocab, (B, S) = (256, 2, 1024, (1, 64)) if small else (4096, 4, 50304, (4, 2048))
+    dev, dtype = ("cpu", torch.float32) if small else ("cuda", torch.bfloat16)
+    cfg = xLSTMLargeConfig(vocab_size=vocab, chunk_size=64, mode="inference" if mode == "prefill" else "train",
+                           return_last_states=mode == "train", embedding_dim=width, num_heads=8, num_blocks=blocks,
                            chunkwise_kernel="chunkwise--native_autograd", sequence_kernel="native_sequence__native",
                            step_kernel="native")
     torch.manual_seed(0)
-    model = xLSTMLarge(cfg).to("cuda", torch.bfloat16)
-    tokens = torch.randint(0, 50304, (4, 2048), device="cuda")
+    model = xLSTMLarge(cfg).to(dev, dtype)
+    tokens = torch.randint(0, vocab, (B, S), device=dev)
     fn = torch.compile(model, backend="xaccel")
     t0 = time.perf_counter()
     if mode == "prefill":
@@ -34,7 +38,8 @@ def first_call(mode: str) -> float:
     else:
         logits = fn(tokens)[0]
         torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
-    torch.cuda.synchronize()
+    if not small:
+        torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
@@ -46,6 +51,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fallback", default="inductor", choices=("eager", "inductor"))
     ap.add_argument("--modes", default="prefill,train")
+    ap.add_argument("--small", action="store_true")
     args = ap.parse_args()
     os.environ["XACCEL_FALLBACK"] = args.fallback
     timed, real = [], cache.write_entry
@@ -59,7 +65,7 @@ def main() -> None:
         torch._dynamo.reset()
         counters.clear()
         timed.clear()
-        seconds = first_call(mode)
+        seconds = first_call(mode, args.small)
         caches = {k: v for k, v in {**counters["aot_autograd"], **counters["inductor"]}.items() if "cache" in k}
         print(f"{args.fallback} rest, {mode}: first call {seconds:.1f} s, {len(timed)} tuning decisions timed, "
               f"caches {caches}", flush=True)
