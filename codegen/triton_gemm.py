@@ -473,6 +473,7 @@ class _Plan:
 
 _PLANS: dict = {}  # (case key, input strides) -> _Plan
 LAUNCH_PLANS = True  # False: every call through _Case (for the A/B of the plans' host time)
+MAX_PLANS = 4096  # cases are keyed by exact shapes: a server seeing many batch sizes starts over here
 
 
 def _plan_key(key, a, bs, operands) -> tuple:
@@ -530,8 +531,10 @@ def provider(key, a, bs, operands, epilogue, b_transposed):
         return aten_composition(a, bs, operands, epilogue, b_transposed)
     outs = case.new_outputs()
     case.launch(cfg, outs)
-    if LAUNCH_PLANS and key not in _PENDING:
+    if LAUNCH_PLANS and key not in _PENDING and case.M <= SMALL_M_ROWS:  # host-bound calls only
         plan = _make_plan(case, cfg, a, bs, operands)
         if plan is not None:
+            if len(_PLANS) >= MAX_PLANS:
+                _PLANS.clear()
             _PLANS[_plan_key(key, a, bs, operands)] = plan
     return [o.view(case.out_shape) for o in outs]

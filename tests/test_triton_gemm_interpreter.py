@@ -64,6 +64,14 @@ SCRIPT = textwrap.dedent("""
             err, err2 = (((x - y).norm() / y.norm()).item() for x, y in ((g, w), (g2, w2)))
             print(trial, ep.describe(), tuple(g.shape), f"{err:.1e}", f"plan {err2:.1e}")
             fails += not (g.shape == w.shape == g2.shape and err < 1e-5 and err2 < 1e-5)
+    # large M is not host-bound: no plan kept (nor more than MAX_PLANS of them)
+    plans = len(triton_gemm._PLANS)
+    acc_only = Epilogue(({"op": "acc", "index": 0},), (0,)).to_json()
+    out = triton_gemm.provider("big", torch.randn(300, 16), [torch.randn(8, 16)], [], acc_only, True)
+    fails += len(triton_gemm._PLANS) != plans or out[0].shape != (300, 8)
+    triton_gemm.MAX_PLANS = plans
+    triton_gemm.provider("small", torch.randn(3, 16), [torch.randn(8, 16)], [], acc_only, True)
+    fails += len(triton_gemm._PLANS) != 1  # started over
     # the persistent TMA variants (the GPU's usual picks), forced on for CPU tensors. Triton 3.6's
     # interpreter hands program ids over as 1-element arrays, which a persistent range cannot use.
     import triton
