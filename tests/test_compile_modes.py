@@ -170,14 +170,13 @@ def test_inductor_rest_sees_the_parameters_as_static(xaccel_env, monkeypatch):
     seen = []
     real = cfx.get_static_input_idxs
     monkeypatch.setattr(cfx, "get_static_input_idxs", lambda n: seen.append(real(n)) or seen[-1])
-    # compiled afresh: a cache hit (an earlier run's graph) would not ask for the static inputs
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     xaccel_env(XACCEL_FALLBACK="inductor")
     lin = torch.nn.Linear(8, 12)
     x = torch.randn(16, 8)
     torch._dynamo.reset()
-    with torch.no_grad(), collect() as graphs:
+    # compiled afresh: a cache hit (an earlier run's graph) would not ask for the static inputs
+    with torch.no_grad(), collect() as graphs, torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._inductor.config.patch(fx_graph_cache=False):
         out = torch.compile(lambda x: F.gelu(lin(x)) + 1, backend="xaccel", mode="reduce-overhead")(x)
     torch.testing.assert_close(out, F.gelu(lin(x)) + 1, rtol=1e-5, atol=1e-6)
     assert Report(graphs=graphs).counts()["gemm_epilogue"] == 1
