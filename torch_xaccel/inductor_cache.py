@@ -15,7 +15,11 @@ import hashlib
 from pathlib import Path
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass  # (imported with the Inductor rest only)
+
+try:  # (imported with the Inductor rest only)
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+except ImportError:  # a torch without custom-pass uuids: no ops key (the ShapeEnv fix still applies)
+    CustomGraphPass = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -27,14 +31,15 @@ def ops_digest() -> str:
     return h.hexdigest()
 
 
-class XaccelOpsKey(CustomGraphPass):
-    """Changes nothing; its uuid keys Inductor's caches by the xaccel ops' definitions."""
+if CustomGraphPass is not None:
+    class XaccelOpsKey(CustomGraphPass):
+        """Changes nothing; its uuid keys Inductor's caches by the xaccel ops' definitions."""
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        return None
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            return None
 
-    def uuid(self) -> str:
-        return "xaccel-ops-" + ops_digest()
+        def uuid(self) -> str:
+            return "xaccel-ops-" + ops_digest()
 
 
 def prepare(gm: torch.fx.GraphModule, patches: dict) -> dict:
@@ -45,6 +50,6 @@ def prepare(gm: torch.fx.GraphModule, patches: dict) -> dict:
     gm.__dict__.pop("shape_env", None)
     gm.meta.pop("xaccel_example_inputs", None)
     slot = "post_grad_custom_pre_pass"
-    if slot in patches or getattr(inductor_config, slot, None) is not None:
+    if CustomGraphPass is None or slot in patches or getattr(inductor_config, slot, None) is not None:
         return patches
     return {**patches, slot: XaccelOpsKey()}
