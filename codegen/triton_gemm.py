@@ -175,28 +175,7 @@ class _Case:
             if not warmup:
                 cutlass_gemm.launch(lib, cfg, self.a2, self.bs[0], self.ops, outs, _num_sms(self.device))
             return
-        variant, bm, bn, bk, gm, warps, stages, flatten = cfg
-        _, kernel = _kernel(self.epilogue, len(self.ops), self.precision, variant, self.b_transposed)
-        tiles = triton_cdiv(self.M, bm) * triton_cdiv(self.N, bn)
-        meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages)
-
-        def go(grid, *args, **kw):
-            if warmup:
-                kernel.run(*args, grid=grid, warmup=True, **kw)
-            else:
-                kernel[grid](*args, **kw)
-        if variant == "ptr":
-            go((tiles,), self.a2, *self.bs, *self.ops, *outs, self.M, self.N, self.K,
-               self.a2.stride(0), self.a2.stride(1), *self.b_strides, *self.op_strides, self.N, 1, **meta)
-            return
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        n_sms = _num_sms(self.device)
-        a_desc = TensorDescriptor(self.a2, list(self.a2.shape), list(self.a2.stride()), [bm, bk])
-        b_block = [bn, bk] if self.b_transposed else [bk, bn]
-        b_descs = [TensorDescriptor(b, list(b.shape), list(b.stride()), b_block) for b in self.bs]
-        go((min(n_sms, tiles),), a_desc, *b_descs, *self.ops, *outs, self.M, self.N, self.K, *self.op_strides,
-           self.N, 1, NUM_SMS=n_sms, FLATTEN=bool(flatten), **meta)
+        _Plan(self, cfg).launch(self.a2, self.bs, self.ops, outs, warmup)
 
     def label(self) -> str:
         """For reports: 'bfloat16 M16384 N16384 K4096: add(row) -> gelu_tanh -> add(full)'."""
@@ -427,10 +406,11 @@ class _Plan:
     it (host time, sixteenth session: on the CPU with the launches stubbed, 20-25 us a call saved
     inside a compiled decode step). Built only where every input is a view of the caller's
     tensor (no contiguous copy of B) and the config is a Triton one; a TMA config checks the
-    16-byte alignment that its descriptors need on every call."""
+    16-byte alignment that its descriptors need on every call. _Case.launch runs its Triton
+    configs through a fresh plan too: the kernel's argument layout lives here only."""
 
-    __slots__ = ("cfg", "launcher", "meta", "M", "N", "K", "out_shape", "op_shapes", "n_out", "dtype", "tail",
-                 "tma", "blocks", "n_sms")
+    __slots__ = ("cfg", "kernel", "grid", "launcher", "meta", "M", "N", "K", "out_shape", "op_shapes", "n_out",
+                 "dtype", "tail", "tma", "blocks")
 
     def __init__(self, case: "_Case", cfg: tuple):
         variant, bm, bn, bk, gm, warps, stages, flatten = cfg
@@ -441,34 +421,43 @@ class _Plan:
         self.n_out, self.dtype = len(case.ep.outputs), case.dtype
         self.meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages)
         self.tma = variant != "ptr"
-        if self.tma:
-            self.n_sms = _num_sms(case.device)
-            self.meta.update(NUM_SMS=self.n_sms, FLATTEN=bool(flatten))
+        if self.tma:  # persistent: one program per SM at most
+            n_sms = _num_sms(case.device)
+            self.meta.update(NUM_SMS=n_sms, FLATTEN=bool(flatten))
             self.blocks = ([bm, bk], [bn, bk] if case.b_transposed else [bk, bn])
-            self.launcher = kernel[(min(self.n_sms, tiles),)]
-            self.tail = (*case.op_strides, case.N, 1)
+            self.grid = (min(n_sms, tiles),)
+            self.tail = (case.M, case.N, case.K, *case.op_strides, case.N, 1)
         else:
-            self.launcher = kernel[(tiles,)]
+            self.grid = (tiles,)
             self.tail = (case.M, case.N, case.K, case.a2.stride(0), case.a2.stride(1), *case.b_strides,
                          *case.op_strides, case.N, 1)
+        self.kernel, self.launcher = kernel, kernel[self.grid]
 
     def __call__(self, a, bs, operands):
         """The outputs, or None where this call's tensors break the plan (TMA alignment)."""
         a2 = a.view(self.M, self.K)
         ops = [t.view(shape) for t, shape in zip(operands, self.op_shapes)]
+        if self.tma and (a2.data_ptr() % 16 or any(b.data_ptr() % 16 for b in bs)):
+            return None
         outs = [torch.empty((self.M, self.N), dtype=self.dtype, device=a.device) for _ in range(self.n_out)]
+        self.launch(a2, bs, ops, outs)
+        return [o.view(self.out_shape) for o in outs]
+
+    def launch(self, a2, bs, ops, outs, warmup: bool = False) -> None:
+        """The kernel's launch on a2 [M, K], bs and the operands' views into outs (also _Case's);
+        warmup: only compile it (Triton's warmup run, no launch)."""
         if self.tma:
-            if a2.data_ptr() % 16 or any(b.data_ptr() % 16 for b in bs):
-                return None
             from triton.tools.tensor_descriptor import TensorDescriptor
 
             a_block, b_block = self.blocks
-            self.launcher(TensorDescriptor(a2, [self.M, self.K], list(a2.stride()), a_block),
-                          *(TensorDescriptor(b, list(b.shape), list(b.stride()), b_block) for b in bs),
-                          *ops, *outs, self.M, self.N, self.K, *self.tail, **self.meta)
+            args = (TensorDescriptor(a2, [self.M, self.K], list(a2.stride()), a_block),
+                    *(TensorDescriptor(b, list(b.shape), list(b.stride()), b_block) for b in bs), *ops, *outs, *self.tail)
         else:
-            self.launcher(a2, *bs, *ops, *outs, *self.tail, **self.meta)
-        return [o.view(self.out_shape) for o in outs]
+            args = (a2, *bs, *ops, *outs, *self.tail)
+        if warmup:
+            self.kernel.run(*args, grid=self.grid, warmup=True, **self.meta)
+        else:
+            self.launcher(*args, **self.meta)
 
 
 _PLANS: dict = {}  # (case key, input strides) -> _Plan
