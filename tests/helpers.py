@@ -1,4 +1,9 @@
-"""Compile-and-compare helpers: a compiled model must equal eager in forward and gradients."""
+"""Compile-and-compare helpers: a compiled model must equal eager in forward and gradients; and
+kernel scripts run in Triton's interpreter."""
+import os
+import subprocess
+import sys
+
 import torch
 
 from torch_xaccel.report import Report, collect
@@ -35,3 +40,12 @@ def check_compiled(fn, inputs, *, dynamic=None, tol=1e-5, backend="xaccel") -> R
         if r is not None:
             assert rel_err(g, r) <= tol, f"grad rel err {rel_err(g, r):.2e}"
     return Report(graphs=graphs)
+
+
+def interpret(script: str, tmp_path, *argv: str, timeout: int = 600) -> str:
+    """Run a test script in Triton's interpreter in a fresh process (TRITON_INTERPRET is read at
+    import) with its own cache dir; its exit status must be 0. Its stdout."""
+    env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", script, *argv], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    return proc.stdout

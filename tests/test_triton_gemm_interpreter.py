@@ -1,12 +1,11 @@
 """Kernel logic of the generated Triton GEMM + epilogue, run by Triton's interpreter on the CPU
 (float32, small odd shapes), against the op's reference: the pointer kernel through the op's
 provider, and the persistent TMA kernels (whole-tile and half-tile epilogue) launched directly."""
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.helpers import interpret
 
 pytest.importorskip("triton")
 
@@ -102,16 +101,8 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _interpret(script: str, cache_dir) -> str:
-    """Run a script in Triton's interpreter in a fresh process; its exit code counts failures."""
-    env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(cache_dir))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    return proc.stdout
-
-
 def test_generated_kernels_match_reference_in_interpreter(tmp_path):
-    out = _interpret(SCRIPT, tmp_path)
+    out = interpret(SCRIPT, tmp_path)
     lines = out.splitlines()
     assert len(lines) == 10 + (6 if "skipped" not in out else 1)  # 5 ptr cases x 2 outputs + 3 TMA x 2 variants
     kernels = list((tmp_path / "kernels").glob("gemm_epilogue_*.py"))
@@ -159,7 +150,7 @@ GRAD_SCRIPT = textwrap.dedent("""
 
 def test_gradient_ops_in_generated_kernels_match_reference_in_interpreter(tmp_path):
     """The activation-gradient ops that backward graphs fuse (gelu_tanh_grad needs a temporary per node)."""
-    assert len(_interpret(GRAD_SCRIPT, tmp_path).splitlines()) == 6
+    assert len(interpret(GRAD_SCRIPT, tmp_path).splitlines()) == 6
 
 
 def test_every_listed_config_fits_shared_memory():

@@ -10,16 +10,10 @@ import textwrap
 
 import pytest
 
+from tests.helpers import interpret
+
 pytest.importorskip("triton")
 
-
-def _interpret(script: str, tmp_path, *argv: str, timeout: int = 600) -> str:
-    """Run a test script in Triton's interpreter in a fresh process (TRITON_INTERPRET is read at
-    import) with its own cache dir; its exit status must be 0. Its stdout."""
-    env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", script, *argv], env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    return proc.stdout
 
 SCRIPT = textwrap.dedent("""
     import os, torch
@@ -76,7 +70,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_mlstm_forward_kernel_matches_reference_in_interpreter(tmp_path):
-    out = _interpret(SCRIPT, tmp_path)
+    out = interpret(SCRIPT, tmp_path)
     assert out.count("\n") == 12
 
 
@@ -122,7 +116,7 @@ def test_every_gpu_tuning_candidate_in_interpreter(tmp_path):
     forward kernel's neighbours that benchmarks/mlstm_sweep.py --sliced times), whose logic the default interpreter config does not
     exercise, against the reference in float32; whether they
     fit the GPU is benchmarks/compile_report.py's and the `-m gpu` tests' business."""
-    out = _interpret(CANDIDATES_SCRIPT, tmp_path, timeout=900)
+    out = interpret(CANDIDATES_SCRIPT, tmp_path, timeout=900)
     from torch_xaccel.codegen import triton_mlstm
 
     n = sum(len(triton_mlstm._unique(triton_mlstm.forward_candidates(*hd) + triton_mlstm.sliced_sweep_configs(*hd)))
@@ -270,7 +264,7 @@ def test_kept_chunk_states_match_reference_in_interpreter(tmp_path, factors):
     reference's, as after a forward that fell back) equal to the analytic backward. With the
     scans' gate terms precomputed (default) and recomputed per step (CHUNK_SCAN_FACTORS and
     SCAN_ROW_FACTORS off, the benchmarks' A/B path)."""
-    out = _interpret(KEPT_SCRIPT, tmp_path, factors)
+    out = interpret(KEPT_SCRIPT, tmp_path, factors)
     assert out.count("\n") == 4, out
 
 
@@ -322,7 +316,7 @@ def test_fp16_backward_with_a_huge_state_gradient_runs_the_reference(tmp_path):
     gates (m_T about -12: NaN gradients from the kernels). The kernels decline that case and the
     reference (fp32 state math) takes it: finite gradients within fp16 accuracy; ordinary gates
     still run the kernels."""
-    out = _interpret(FP16_SCRIPT, tmp_path)
+    out = interpret(FP16_SCRIPT, tmp_path)
     assert out.count("\n") == 2, out
 
 
@@ -393,7 +387,7 @@ def test_fused_route_of_the_eps_term_matches_torch_in_interpreter(tmp_path):
     """mlstm_bwd_route (FUSED_ROUTE) routes dm through the stabilizer max like _route_max_grad: runs
     of the argmax across 1024-blocks, ties to the later index and to m0 as torch.cummax breaks
     them, the final m's gradient added to the last row, di and df in the gates' dtypes."""
-    out = _interpret(ROUTE_SCRIPT, tmp_path, timeout=900)
+    out = interpret(ROUTE_SCRIPT, tmp_path, timeout=900)
     assert out.count("\n") == 7, out
 
 
@@ -424,6 +418,6 @@ def test_gate_gradients_stay_accurate_with_fast_decay(tmp_path, fmean, split):
     replaced failed this (3.0e-3 and 1.6e-2, ~8x that in bf16): its reverse cumsum cancelled
     differently rounded terms."""
     script = FAST_DECAY_SCRIPT.replace("FMEAN", repr(fmean)).replace("USE_SPLIT_CFG", repr(split))
-    out = _interpret(script, tmp_path, timeout=900)
+    out = interpret(script, tmp_path, timeout=900)
     errs = [float(e) for e in out.strip().splitlines()[-1].split()]
     assert len(errs) == 5 and all(e <= 1e-3 for e in errs), errs  # dq, dk, dv, di, df: fp16's rounding level
