@@ -2,12 +2,13 @@
 calls: host-bound, so the bench's per-process timings of it spread by 20 % and more between runs
 (sixteenth session: the anchor 4.97 then 4.09 ms). This times the paths in one process,
 alternating rounds of wall-clock time per call (queued back to back, synchronised at the round's
-end), median per path: the anchor (the package's Triton kernels, uncompiled) and xaccel with the
-GEMM launch plans (triton_gemm.LAUNCH_PLANS) on and off on the same compiled model. One rest
+end), median per path: the anchor (the package's Triton kernels, uncompiled) and xaccel on the same
+compiled model with the GEMM launch plans (triton_gemm.LAUNCH_PLANS) launching their compiled
+kernels directly (triton_launch.ENABLED), through JITFunction.run, and with no plans. One rest
 fallback per process: two compiled instances of one model class may share Dynamo's cache entry.
 Run on the GPU machine:
 
-    python benchmarks/decode_host_ab.py --fallback eager|inductor [--rounds 15] [--calls 50]
+    python benchmarks/decode_host_ab.py --fallback eager|inductor [--rounds 15] [--calls 50] [--profile N]
 """
 from __future__ import annotations
 
@@ -45,12 +46,14 @@ def decoder(kernels: dict, fallback: str | None):
 
 
 def main() -> None:
-    from torch_xaccel.codegen import triton_gemm
+    from torch_xaccel.codegen import triton_gemm, triton_launch
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--fallback", default="eager", choices=("eager", "inductor"))
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="afterwards, the xaccel path's host time under cProfile: N calls, top functions")
     args = ap.parse_args()
     native = dict(chunkwise_kernel="chunkwise--native_autograd", sequence_kernel="native_sequence__native",
                   step_kernel="native")
@@ -58,22 +61,32 @@ def main() -> None:
                   step_kernel="triton")
     calls = {"anchor (xlstm Triton kernels)": decoder(anchor, None),
              f"xaccel, rest {args.fallback}": decoder(native, args.fallback)}
-    arms = [(name, plans) for name in calls for plans in ((True, False) if "xaccel" in name else (True,))]
+    settings = {"": (True, True), ", launch plans launched directly": (True, True),
+                ", launch plans through JITFunction.run": (True, False), ", no launch plans": (False, False)}
+    arms = [(name, label) for name in calls for label in settings if (label != "") == ("xaccel" in name)]
     times: dict = {arm: [] for arm in arms}
     for _ in range(args.rounds):
-        for name, plans in arms:
-            triton_gemm.LAUNCH_PLANS = plans
+        for name, label in arms:
+            triton_gemm.LAUNCH_PLANS, triton_launch.ENABLED = settings[label]
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(args.calls):
                 calls[name]()
             torch.cuda.synchronize()
-            times[(name, plans)].append((time.perf_counter() - t0) * 1e3 / args.calls)
-    triton_gemm.LAUNCH_PLANS = True
-    for (name, plans), ms in times.items():
-        label = name + ("" if "xaccel" not in name else ", launch plans " + ("on" if plans else "off"))
-        print(f"{label:50s} median {statistics.median(ms):.3f} ms per token (min {min(ms):.3f}, max {max(ms):.3f}, "
+            times[(name, label)].append((time.perf_counter() - t0) * 1e3 / args.calls)
+    triton_gemm.LAUNCH_PLANS = triton_launch.ENABLED = True
+    for (name, label), ms in times.items():
+        label = name + label
+        print(f"{label:75s} median {statistics.median(ms):.3f} ms per token (min {min(ms):.3f}, max {max(ms):.3f}, "
               f"{args.rounds} rounds x {args.calls} calls)", flush=True)
+    if args.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.runcall(lambda: [calls[f"xaccel, rest {args.fallback}"]() for _ in range(args.profile)])
+        torch.cuda.synchronize()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":

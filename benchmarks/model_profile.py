@@ -1,8 +1,8 @@
 """Where the whole-model time goes: xLSTMLarge at 7B widths (B4 x 2048 tokens, bf16, native
-configuration compiled with backend="xaccel"), prefill and one train step under the torch
-profiler, CUDA kernels grouped by kind. Run on the GPU machine:
+configuration compiled with backend="xaccel"), prefill and one train step (mode train-loss: the
+loss compiled with the model) under the torch profiler, CUDA kernels grouped by kind. Run on the GPU machine:
 
-    XACCEL_TUNE=0 python benchmarks/model_profile.py [--fallback eager|inductor] [--modes prefill,train] [--ops]
+    XACCEL_TUNE=0 python benchmarks/model_profile.py [--fallback eager|inductor] [--modes prefill,train,train-loss] [--ops]
     python benchmarks/model_profile.py --gemm-floor
 
 XACCEL_TUNE=0 skips first-call tuning (default configs) so the run spends its time profiling, but
@@ -44,15 +44,20 @@ def model(mode: str, **kernels):
     return xLSTMLarge(cfg).to("cuda", torch.bfloat16)
 
 
+def loss(logits, ids):
+    """The benchmark's loss, as a user writes it around the model: fp32 cross-entropy."""
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+
+
 def step(mode: str, m, fn, ids) -> None:
-    """One prefill (inference mode) or train step (zero_grad, forward, fp32 cross-entropy, backward)."""
+    """One prefill (inference mode) or train step (zero_grad, forward, fp32 cross-entropy, backward;
+    in mode "train-loss" `fn` already returns the loss: model and loss compiled as one function)."""
     if mode == "prefill":
         with torch.inference_mode():
             fn(ids)
         return
     m.zero_grad(set_to_none=True)
-    logits = fn(ids)[0]
-    torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten()).backward()
+    (fn(ids) if mode == "train-loss" else loss(fn(ids)[0], ids)).backward()
 
 
 def gemm_floor(tokens: int = 4 * 2048) -> None:
@@ -118,7 +123,7 @@ def profile(mode: str, top: int, ops: bool = False) -> None:
 
     torch._dynamo.reset()
     m = model("inference" if mode == "prefill" else "train")
-    fn = torch.compile(m, backend="xaccel")
+    fn = torch.compile((lambda t: loss(m(t)[0], t)) if mode == "train-loss" else m, backend="xaccel")
     tokens = torch.randint(0, 50304, (4, 2048), device="cuda")
     run = lambda: step(mode, m, fn, tokens)  # noqa: E731
     t0 = time.perf_counter()

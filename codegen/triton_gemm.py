@@ -17,6 +17,7 @@ from torch_xaccel import runtime
 from torch_xaccel.epilogue_ir import parse
 
 from . import cache, cutlass_gemm
+from .triton_launch import DirectLaunch
 from .cache import SHARED_LIMIT
 from .offsets import INT32_LIMIT, reach
 from .render import render_gemm_epilogue, template_digest
@@ -406,13 +407,14 @@ class _Plan:
     it (host time, sixteenth session: on the CPU with the launches stubbed, 20-25 us a call saved
     inside a compiled decode step). Built only where every input is a view of the caller's
     tensor (no contiguous copy of B) and the config is a Triton one; a TMA config checks the
-    16-byte alignment that its descriptors need on every call. _Case.launch runs its Triton
+    16-byte alignment that its descriptors need on every call. A kept plan launches its compiled
+    kernel directly from its second call (codegen/triton_launch.py). _Case.launch runs its Triton
     configs through a fresh plan too: the kernel's argument layout lives here only."""
 
     __slots__ = ("cfg", "kernel", "grid", "launcher", "meta", "M", "N", "K", "out_shape", "op_shapes", "n_out",
-                 "dtype", "tail", "tma", "blocks")
+                 "dtype", "tail", "tma", "blocks", "direct")
 
-    def __init__(self, case: "_Case", cfg: tuple):
+    def __init__(self, case: "_Case", cfg: tuple, kept: bool = False):
         variant, bm, bn, bk, gm, warps, stages, flatten = cfg
         _, kernel = _kernel(case.epilogue, len(case.ops), case.precision, variant, case.b_transposed)
         tiles = triton_cdiv(case.M, bm) * triton_cdiv(case.N, bn)
@@ -432,6 +434,9 @@ class _Plan:
             self.tail = (case.M, case.N, case.K, case.a2.stride(0), case.a2.stride(1), *case.b_strides,
                          *case.op_strides, case.N, 1)
         self.kernel, self.launcher = kernel, kernel[self.grid]
+        # a kept plan's compiled kernel after its first launch, then launched without JITFunction.run
+        # (None: not captured yet; False: not kept, or nothing to capture)
+        self.direct = None if kept else False
 
     def __call__(self, a, bs, operands):
         """The outputs, or None where this call's tensors break the plan (TMA alignment)."""
@@ -456,8 +461,15 @@ class _Plan:
             args = (a2, *bs, *ops, *outs, *self.tail)
         if warmup:
             self.kernel.run(*args, grid=self.grid, warmup=True, **self.meta)
-        else:
-            self.launcher(*args, **self.meta)
+            return
+        varying = (a2, *bs, *ops)  # the plan fixes the integers and constexprs; outs are new, of its dtype
+        direct = self.direct
+        if direct and direct.matches(varying):
+            direct(args)
+            return
+        compiled = self.launcher(*args, **self.meta)
+        if direct is None:
+            self.direct = DirectLaunch.capture(self.kernel, compiled, self.grid, self.meta, len(args), varying) or False
 
 
 _PLANS: dict = {}  # (case key, input strides) -> _Plan
@@ -480,7 +492,7 @@ def _make_plan(case: "_Case", cfg: tuple, a, bs, operands) -> "_Plan | None":
                 return None
     except RuntimeError:
         return None
-    return _Plan(case, cfg)
+    return _Plan(case, cfg, kept=True)
 
 
 def provider(key, a, bs, operands, epilogue, b_transposed):

@@ -255,3 +255,31 @@ def test_launch_plan_runs_only_for_its_decision_and_layout(monkeypatch):
     tg._DECISIONS["k"] = cfg
     tg._PLANS[tg._plan_key("k", a, [b], [])] = Plan(None)  # declines this call
     assert tg.provider("k", a, [b], [], "unused", True) == "general path"
+
+
+def test_direct_launch_steps_aside_when_triton_would_specialise_again(monkeypatch):
+    """A kept plan's direct launch reuses one compiled kernel, so it runs only on tensors Triton
+    would specialise the same way (dtype, 16-byte alignment) on the device it was captured on, and
+    passes the constexprs after the call's arguments on the current stream, as JITFunction.run does."""
+    import torch
+
+    from torch_xaccel.codegen import triton_launch as tl_
+
+    calls = []
+    device = [0]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device[0])
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1000 + d, raising=False)
+    x = torch.randn(64, dtype=torch.bfloat16)
+    direct = tl_.DirectLaunch(lambda *a, stream: calls.append((a, stream)), (128, 64), 0, tl_._guard([x]))
+    assert direct.matches([torch.randn(32, dtype=torch.bfloat16)])  # other values and size, same class
+    assert not direct.matches([x[1:]])  # 2 bytes off the 16-byte alignment
+    assert not direct.matches([x.float()])
+    device[0] = 1
+    assert not direct.matches([x])
+    device[0] = 0
+    monkeypatch.setattr(tl_, "ENABLED", False)
+    assert not direct.matches([x])
+    direct((x, 7))
+    assert calls == [((x, 7, 128, 64), 1000)]
+    # what the interpreter's launch returns (nothing compiled) is never captured
+    assert tl_.DirectLaunch.capture(None, None, (1,), {}, 0, [x]) is None

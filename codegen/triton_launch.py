@@ -1,0 +1,51 @@
+"""A compiled Triton kernel launched again without JITFunction.run's per-call work.
+
+JITFunction.run binds every argument, builds the specialization key, looks the kernel up and asks
+the driver for the device and stream on each launch: host time that a one-token decode call pays
+~25 times (its GEMM chains' launch plans, codegen/triton_gemm._Plan). A DirectLaunch keeps the
+CompiledKernel of one earlier launch and calls its launcher, as JITFunction.run itself does last.
+
+That is only the same kernel while Triton would pick the same specialization: the caller keeps
+the integer arguments and constexprs fixed (a plan's shapes and strides), and `matches` checks
+what varies between calls, the tensors' dtypes and 16-byte alignment, and the current device."""
+from __future__ import annotations
+
+import torch
+
+ENABLED = True  # False: every launch through JITFunction.run (the A/B of the host time this saves)
+
+
+def _guard(tensors) -> tuple:
+    return tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors)
+
+
+class DirectLaunch:
+    """The CompiledKernel that `kernel[grid](*args, **meta)` returned, ready to launch again on
+    arguments in the same positions (`tensors`: those that vary between calls)."""
+
+    __slots__ = ("runner", "consts", "device", "guard")
+
+    def __init__(self, runner, consts: tuple, device: int, guard: tuple):
+        self.runner, self.consts, self.device, self.guard = runner, consts, device, guard
+
+    @classmethod
+    def capture(cls, kernel, compiled, grid: tuple, meta: dict, n_args: int, tensors) -> "DirectLaunch | None":
+        """From a launch that just ran through JITFunction.run (`compiled` is what it returned),
+        or None where that launch did not leave a reusable kernel (interpreter, async compile, a
+        parameter with a default the caller did not pass)."""
+        if compiled is None or not hasattr(compiled, "function") or not torch.cuda.is_available():
+            return None
+        names = list(kernel.arg_names)[n_args:]  # the constexprs after the positional arguments
+        if any(name not in meta for name in names):
+            return None
+        try:
+            runner = compiled[tuple(grid) + (1,) * (3 - len(grid))]  # Triton's own launcher of a compiled kernel
+        except Exception:  # noqa: BLE001 - an API this Triton lacks: keep launching through run()
+            return None
+        return cls(runner, tuple(meta[name] for name in names), torch.cuda.current_device(), _guard(tensors))
+
+    def matches(self, tensors) -> bool:
+        return ENABLED and torch.cuda.current_device() == self.device and _guard(tensors) == self.guard
+
+    def __call__(self, args) -> None:
+        self.runner(*args, *self.consts, stream=torch._C._cuda_getCurrentRawStream(self.device))
