@@ -495,9 +495,37 @@ def _make_plan(case: "_Case", cfg: tuple, a, bs, operands) -> "_Plan | None":
     return _Plan(case, cfg, kept=True)
 
 
+@functools.lru_cache(maxsize=None)
+def _gemm_epilogue_op():
+    from torch_xaccel.ops import gemm_epilogue  # (it imports this module on first use: not at the top)
+
+    return gemm_epilogue
+
+
+class _AtenPlan:
+    """A host-bound case that tuning gave to ATen (decision None): straight to the composition,
+    past the provider's checks. At M1 most of a decode step's chains are such cases (cuBLAS's
+    GEMV and the chain node by node: 17 of its 25 a token, sixteenth session's profile)."""
+
+    __slots__ = ("epilogue", "b_transposed")
+    cfg = None  # the decision it stands for
+
+    def __init__(self, epilogue: str, b_transposed: bool):
+        self.epilogue, self.b_transposed = epilogue, b_transposed
+
+    def __call__(self, a, bs, operands):
+        return _gemm_epilogue_op().aten_composition(a, bs, operands, self.epilogue, self.b_transposed)
+
+
+def _keep_plan(key, a, bs, operands, plan) -> None:
+    if len(_PLANS) >= MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[_plan_key(key, a, bs, operands)] = plan
+
+
 def provider(key, a, bs, operands, epilogue, b_transposed):
     plan = _PLANS.get(_plan_key(key, a, bs, operands)) if LAUNCH_PLANS else None
-    if plan is not None and _DECISIONS.get(key) is plan.cfg and key not in _PENDING:
+    if plan is not None and _DECISIONS.get(key, "unset") is plan.cfg and key not in _PENDING:
         out = plan(a, bs, operands)
         if out is not None:
             runtime.note_use(key)
@@ -513,8 +541,10 @@ def provider(key, a, bs, operands, epilogue, b_transposed):
     if key in _PENDING and not (a.is_cuda and torch.cuda.is_current_stream_capturing()) and _pending_done(key):
         _DECISIONS.pop(key, None)  # its CUTLASS kernels are built: time the case again, with them
     cfg = _DECISIONS.get(key, "unset")
-    if cfg is None:
-        return aten_composition(a, bs, operands, epilogue, b_transposed)  # ATen measured faster here
+    if cfg is None:  # ATen measured faster here
+        if LAUNCH_PLANS and key not in _PENDING and a.numel() // a.shape[-1] <= SMALL_M_ROWS:
+            _keep_plan(key, a, bs, operands, _AtenPlan(epilogue, b_transposed))
+        return aten_composition(a, bs, operands, epilogue, b_transposed)
     if cfg == "unset" and a.is_cuda and torch.cuda.is_current_stream_capturing():
         # no timing inside a CUDA-graph capture: ATen now, tune on an uncaptured call
         return aten_composition(a, bs, operands, epilogue, b_transposed)
@@ -535,7 +565,5 @@ def provider(key, a, bs, operands, epilogue, b_transposed):
     if LAUNCH_PLANS and key not in _PENDING and case.M <= SMALL_M_ROWS:  # host-bound calls only
         plan = _make_plan(case, cfg, a, bs, operands)
         if plan is not None:
-            if len(_PLANS) >= MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[_plan_key(key, a, bs, operands)] = plan
+            _keep_plan(key, a, bs, operands, plan)
     return [o.view(case.out_shape) for o in outs]

@@ -283,3 +283,42 @@ def test_direct_launch_steps_aside_when_triton_would_specialise_again(monkeypatc
     assert calls == [((x, 7, 128, 64), 1000)]
     # what the interpreter's launch returns (nothing compiled) is never captured
     assert tl_.DirectLaunch.capture(None, None, (1,), {}, 0, [x]) is None
+
+
+def test_aten_decision_keeps_a_plan_for_small_m_only_while_it_stands(monkeypatch):
+    """A host-bound case that tuning gave to ATen keeps a plan straight to the composition (its
+    checks skipped on later calls); a large M keeps none, and the plan stops once the decision
+    is gone (a retune) or CUTLASS builds are pending for the case."""
+    import torch
+
+    from torch_xaccel.codegen import triton_gemm as tg
+    from torch_xaccel.ops import gemm_epilogue
+
+    calls = []
+    monkeypatch.setattr(gemm_epilogue, "aten_composition", lambda *a: calls.append(a[0].shape[0]) or "aten")
+    monkeypatch.setattr(tg, "_int32_reach", lambda *a: True)
+    monkeypatch.setattr(tg, "_DECISIONS", {"k": None, "big": None})  # keys name shapes in the runtime
+    monkeypatch.setattr(tg, "_PENDING", {})
+    monkeypatch.setattr(tg, "_PLANS", {})
+    small, big, b = torch.randn(4, 8), torch.randn(tg.SMALL_M_ROWS + 1, 8), torch.randn(6, 8)
+    assert tg.provider("k", small, [b], [], "ep", True) == "aten"
+    plan = tg._PLANS[tg._plan_key("k", small, [b], [])]
+    assert isinstance(plan, tg._AtenPlan) and plan.cfg is None
+    monkeypatch.setattr(tg, "_int32_reach", lambda *a: pytest.fail("the plan skips the provider's checks"))
+    assert tg.provider("k", small, [b], [], "ep", True) == "aten"
+    monkeypatch.setattr(tg, "_int32_reach", lambda *a: True)
+    assert tg.provider("big", big, [b], [], "ep", True) == "aten"
+    assert tg._plan_key("big", big, [b], []) not in tg._PLANS
+    tg._PENDING["k"] = (float("inf"), [])  # builds pending: back through the checks
+    checked = []
+    monkeypatch.setattr(tg, "_int32_reach", lambda *a: checked.append(1) or True)
+    assert tg.provider("k", small, [b], [], "ep", True) == "aten" and checked
+    del tg._PENDING["k"]
+    del tg._DECISIONS["k"]  # retune: the plan must not answer for a case without a decision
+
+    def general_path(*a):
+        raise LookupError("tuning")
+    monkeypatch.setattr(tg, "_Case", general_path)
+    with pytest.raises(LookupError):
+        tg.provider("k", small, [b], [], "ep", True)
+    assert calls == [4, 4, tg.SMALL_M_ROWS + 1, 4]

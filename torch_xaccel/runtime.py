@@ -41,6 +41,7 @@ def note_use(key) -> None:
     if SEEN is not None:
         SEEN.add(key)
 _BROKEN: set[tuple[str, str, tuple]] = set()
+_NAMES: dict = {}  # provider -> its name in reports (looked up once: dispatch runs per op call)
 EVENTS: list[RuntimeFallback] = []
 
 
@@ -78,8 +79,8 @@ def dispatch(op: str, key_fn: Callable[..., tuple], reference: Callable, *args):
     providers = _PROVIDERS.get(op, ())
     key = key_fn(*args) if providers else ()
     for provider in providers:
-        name = getattr(provider, "__qualname__", repr(provider))
-        if (op, name, key) in _BROKEN:
+        name = _NAMES.get(provider) or _NAMES.setdefault(provider, getattr(provider, "__qualname__", None) or repr(provider))
+        if _BROKEN and (op, name, key) in _BROKEN:
             continue
         try:
             out = provider(key, *args)

@@ -70,27 +70,67 @@ def _addmm_folds(ep, a, bs, operands) -> dict[int, tuple[int, int, str]]:
     return folds
 
 
+_PROGRAMS: dict = {}  # (epilogue, b_transposed, chain dtype, fold_adds, dtypes and dims) -> program
+
+
 def _compose(a, bs, operands, epilogue, b_transposed, chain_dtype, fold_adds=False) -> list[Tensor]:
     """The GEMMs in the input dtype, the chain in chain_dtype (None: the operands' own dtypes),
     outputs rounded to the input dtype. fold_adds: a bias or residual add right after a GEMM runs
-    inside it (torch.addmm: one rounding instead of two)."""
+    inside it (torch.addmm: one rounding instead of two). Runs as straight-line Python generated
+    once per form (_program): decode calls the ATen path ~17 times a token, and walking the chain
+    on each call cost as much host time as the ops themselves."""
+    form = (epilogue, b_transposed, chain_dtype, fold_adds, a.dtype, *(b.dim() for b in bs), *(t.dtype for t in operands))
+    program = _PROGRAMS.get(form)
+    if program is None:
+        if len(_PROGRAMS) >= 4096:
+            _PROGRAMS.clear()
+        program = _PROGRAMS[form] = _program(epilogue, a, bs, operands, b_transposed, chain_dtype, fold_adds)
+    return program(a, bs, operands)
+
+
+def _program(epilogue, a, bs, operands, b_transposed, chain_dtype, fold_adds):
+    """(a, bs, operands) -> outputs for one form: each GEMM (or addmm with its folded add), each
+    chain node in order (epilogue_ir.evaluate's functions and casts), each output rounded to a's
+    dtype, contiguous, and cloned where it is an input (custom ops must not alias their inputs)."""
+    from ..epilogue_ir import _BINARY_FN, _GRAD_FN, _UNARY_FN
+
     ep = parse(epilogue)
     folds = _addmm_folds(ep, a, bs, operands) if fold_adds else {}
-    accs, preset = [], {}
-    for i, b in enumerate(bs):
+    env = {"torch": torch, "CHAIN": chain_dtype}
+    cast = "" if chain_dtype is None else ".to(CHAIN)"
+    lines = ["def program(a, bs, operands):"]
+    folded = {}  # add node -> the GEMM whose addmm computes it
+    for i in range(len(bs)):
+        b = f"bs[{i}].transpose(-1, -2)" if b_transposed else f"bs[{i}]"
         if i not in folds:
-            accs.append(torch.matmul(a, _b_kn(b, b_transposed)))
+            lines.append(f"    acc{i} = torch.matmul(a, {b})")
             continue
         node, j, bcast = folds[i]
-        N = b.shape[0] if b_transposed else b.shape[1]
-        addend = operands[j].reshape(-1, N) if bcast == "full" else operands[j].reshape(N)
-        out = torch.addmm(addend, a.reshape(-1, a.shape[-1]), _b_kn(b, b_transposed))
-        preset[node] = out.view(*a.shape[:-1], N)
-        accs.append(None)
-    vals = evaluate(ep, accs, operands, dtype=chain_dtype, preset=preset)
-    outs = [vals[o].to(a.dtype).contiguous() for o in ep.outputs]  # contiguous, as the fake promises
-    inputs = {id(t) for t in (a, *bs, *operands)}
-    return [o.clone() if id(o) in inputs else o for o in outs]  # custom ops must not alias inputs
+        folded[node] = i
+        lines += [f"    n{i} = bs[{i}].shape[{0 if b_transposed else 1}]",
+                  f"    v{node} = torch.addmm(operands[{j}].reshape({'-1, ' if bcast == 'full' else ''}n{i}), "
+                  f"a.reshape(-1, a.shape[-1]), {b}).view(*a.shape[:-1], n{i}){cast}"]
+    folded_accs = {k for k, n in enumerate(ep.nodes) if n["op"] == "acc" and n["index"] in folds}
+    for k, n in enumerate(ep.nodes):
+        op, ins = n["op"], ", ".join(f"v{j}" for j in n.get("in", ()))
+        if k in folded or k in folded_accs:  # computed by addmm / read only by its folded add
+            continue
+        if op == "acc":
+            lines.append(f"    v{k} = acc{n['index']}{cast}")
+        elif op == "load":
+            lines.append(f"    v{k} = operands[{n['operand']}]{cast}")
+        elif op == "const":
+            env[f"c{k}"] = n["value"]
+            lines.append(f"    v{k} = c{k}")
+        else:
+            env[f"f{k}"] = _UNARY_FN.get(op) or _GRAD_FN.get(op) or _BINARY_FN[op]
+            lines.append(f"    v{k} = f{k}({ins})")
+    outs = ", ".join(f"v{o}.to(a.dtype).contiguous()" for o in ep.outputs)
+    lines += [f"    outs = [{outs}]",
+              "    inputs = {id(a), *map(id, bs), *map(id, operands)}",
+              "    return [o.clone() if id(o) in inputs else o for o in outs]"]
+    exec(compile("\n".join(lines), f"<xaccel gemm_epilogue ATen program {len(_PROGRAMS)}>", "exec"), env)
+    return env["program"]
 
 
 def case_key(a: Tensor, bs: list[Tensor], operands: list[Tensor], epilogue: str, b_transposed: bool) -> tuple:
@@ -188,9 +228,13 @@ def _triton_kernels(key, a, *args):
     """Generated Triton kernels (codegen/triton_gemm.py) on CUDA, or anywhere Triton interprets."""
     if not runtime.kernels_can_run(a):
         return NotImplemented
-    from ..codegen import triton_gemm
+    global _triton_gemm
+    if _triton_gemm is None:  # imported on first use (Triton and the templates load with it)
+        from ..codegen import triton_gemm as _triton_gemm
+    return _triton_gemm.provider(key, a, *args)
 
-    return triton_gemm.provider(key, a, *args)
+
+_triton_gemm = None
 
 
 runtime.register_provider(OP_NAME, _triton_kernels)
