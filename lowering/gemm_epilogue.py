@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from torch_xaccel.config import leave_to_inductor
 from torch_xaccel.epilogue_ir import Epilogue, read_by_vjp
 from torch_xaccel.report import Fallback, GraphReport, Replacement
 
@@ -40,6 +41,35 @@ BINARY_TARGETS = {aten.add.Tensor: "add", aten.sub.Tensor: "sub", aten.mul.Tenso
 GRAD_TARGETS = {aten.gelu_backward.default: "gelu_grad", aten.silu_backward.default: "silu_grad",
                 aten.sigmoid_backward.default: "sigmoid_grad", aten.tanh_backward.default: "tanh_grad",
                 aten.threshold_backward.default: "relu_grad"}
+
+
+# With the Inductor rest: reductions that Inductor fuses a pointwise producer into (it computes the
+# producer's values in the reduction's own loads and never writes them), and the casts and views a
+# value may pass through on its way there. A chain whose every use ends in one of these gains
+# nothing from the fused kernel: Inductor fuses the chain anyway, and cuBLAS alone runs the GEMM
+# faster than the kernel with the chain (7B xLSTMLarge's LM head with its softcap feeding the
+# cross-entropy, H200: 5.04-5.32 ms against cuBLAS's ~4.9).
+FUSED_INTO = {aten.cross_entropy_loss, aten._log_softmax, aten.log_softmax, aten._softmax, aten.softmax,
+              aten.logsumexp, aten.nll_loss, aten.nll_loss_forward, aten.sum, aten.mean, aten.amax, aten.amin}
+PASSED_THROUGH = {aten.to, aten._to_copy, aten.flatten, aten.view, aten.reshape, aten._unsafe_view}
+
+
+def fused_into_reductions(node: torch.fx.Node) -> str | None:
+    """The reductions (names) where every use of node's value ends, through casts, views and
+    pointwise ops; None if any use reaches something else (a GEMM, an xaccel op, a graph output)."""
+    sinks, todo, seen = set(), [node], {node}
+    while todo:
+        for u in todo.pop().users:
+            packet = getattr(u.target, "overloadpacket", None)
+            if packet in FUSED_INTO:
+                sinks.add(packet.__name__)
+            elif packet in PASSED_THROUGH or torch.Tag.pointwise in getattr(u.target, "tags", ()):
+                if u not in seen:
+                    seen.add(u)
+                    todo.append(u)
+            else:
+                return None
+    return ", ".join(sorted(sinks)) or None
 
 
 @dataclass
@@ -409,7 +439,9 @@ def rewrite(gm: torch.fx.GraphModule, chain: Chain, mutated: set, stop_note: str
 def run(gm: torch.fx.GraphModule, report: GraphReport, training: bool, backward: bool = False) -> None:
     """training: gradients will flow (the forward then also emits what the backward reads).
     backward: an aot_autograd backward graph (lowering/backward.py): activation-gradient ops may
-    join a chain, and GEMMs with nothing to fuse (most weight gradients) are not reported."""
+    join a chain, and GEMMs with nothing to fuse (most weight gradients) are not reported. With the
+    Inductor rest, a chain whose values only feed reductions Inductor fuses them into is left to
+    Inductor (FUSED_INTO)."""
     graph = gm.graph
     mutated = mutated_nodes(graph)
     gone: set = set()
@@ -417,13 +449,28 @@ def run(gm: torch.fx.GraphModule, report: GraphReport, training: bool, backward:
     def alive(n):
         return n not in gone
 
+    def left_to_inductor(chain: Chain, what: str) -> bool:
+        if report.fallback_backend != "inductor" or backward or not leave_to_inductor():
+            return False
+        inside = set(chain.nodes)
+        ends = [n for n in chain.nodes if n is chain.nodes[-1] or any(u not in inside for u in n.users)]
+        sinks = [fused_into_reductions(n) for n in ends]
+        if not all(sinks):
+            return False
+        report.fallbacks.append(Fallback(FAMILY, f"{what} -> {chain.epilogue(ends).describe()}: left to Inductor, "
+                                         f"which fuses the chain into {', '.join(dict.fromkeys(sinks))}; "
+                                         "cuBLAS runs the GEMM", location(chain.gemms[0].node)))
+        return True
+
     for m in list(graph.nodes):  # dual GEMMs first: their GEMMs would otherwise match alone
         if alive(m):
             chain = dual_chain(m)
             if chain is not None:
                 chain.grad_ops = backward
                 note = extend(chain, chain.nodes[-1], mutated)
-                if rewrite(gm, chain, mutated, note, report, training):
+                if left_to_inductor(chain, "+".join(GEMM_TARGETS[g.node.target] for g in chain.gemms)):
+                    gone.update(chain.nodes)
+                elif rewrite(gm, chain, mutated, note, report, training):
                     gone.update(chain.nodes)
     for node in list(graph.nodes):
         if not alive(node):
@@ -447,5 +494,7 @@ def run(gm: torch.fx.GraphModule, report: GraphReport, training: bool, backward:
             report.fallbacks.append(Fallback(FAMILY, f"{what} alone: nothing to fuse, stays on ATen"
                                              + (f" ({note})" if note else ""), location(node)))
             continue
-        if rewrite(gm, chain, mutated, note, report, training):
+        if left_to_inductor(chain, GEMM_TARGETS[node.target]):
+            gone.update(chain.nodes)
+        elif rewrite(gm, chain, mutated, note, report, training):
             gone.update(chain.nodes)

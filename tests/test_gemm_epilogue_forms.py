@@ -138,3 +138,27 @@ def test_training_saves_what_backward_reads_and_recomputes_no_gemm():
     gemms = sum(v for k, v in counter.seen.items() if k in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default))
     assert gemms == 4  # dA and dB per layer; no forward GEMM recomputed
     assert counter.seen[torch.ops.aten.add.Tensor] <= 2  # the pre-activation is not rebuilt either
+
+
+def _softcapped_loss(x, w, target):
+    logits = 30.0 * torch.tanh(F.linear(x, w) / 30.0)
+    return F.cross_entropy(logits.float().flatten(0, 1), target.flatten()), logits
+
+
+@pytest.mark.parametrize("fallback,logits_out,switch,left", [("inductor", False, "", True), ("inductor", True, "", False),
+                                                             ("eager", False, "", False), ("inductor", False, "0", False)])
+def test_chain_feeding_only_a_fused_reduction_is_left_to_inductor(xaccel_env, fallback, logits_out, switch, left):
+    """An LM head's softcap that only feeds the cross-entropy: with the Inductor rest, Inductor fuses
+    the chain into the loss's own kernels, so the GEMM stays cuBLAS's and the report says why.
+    Replaced as usual where the logits are also returned (they must be written anyway) or the rest
+    runs eagerly (nothing else would fuse the chain), and where XACCEL_LEAVE_TO_INDUCTOR=0."""
+    xaccel_env(XACCEL_FALLBACK=fallback, XACCEL_LEAVE_TO_INDUCTOR=switch)
+    torch.manual_seed(7)
+    target = torch.randint(0, N, (2, M))
+    fn = (lambda x, w: _softcapped_loss(x, w, target)) if logits_out else (lambda x, w: _softcapped_loss(x, w, target)[0])
+    report = check_compiled(fn, (_p(2, M, K), _p(N, K) * 4), tol=1e-4)
+    notes = [f.reason for f in report.fallbacks if "left to Inductor" in f.reason]
+    assert report.counts()["gemm_epilogue"] == (0 if left else 1), str(report)
+    assert len(notes) == (1 if left else 0), str(report)
+    if left:
+        assert "linear -> div(30) -> tanh -> mul(30)" in notes[0] and "cross_entropy_loss" in notes[0], notes

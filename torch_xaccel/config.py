@@ -85,6 +85,14 @@ def keep_mlstm_states() -> bool:
     return not os.environ.get("XACCEL_MLSTM_KEEP_STATES", "").strip() or _flag("XACCEL_MLSTM_KEEP_STATES")
 
 
+def leave_to_inductor() -> bool:
+    """XACCEL_LEAVE_TO_INDUCTOR (default on; only with XACCEL_FALLBACK=inductor): a GEMM chain whose
+    values only feed reductions that Inductor fuses them into (an LM head's softcap feeding the
+    cross-entropy) stays with Inductor and cuBLAS instead of becoming a fused kernel
+    (lowering/gemm_epilogue.FUSED_INTO)."""
+    return not os.environ.get("XACCEL_LEAVE_TO_INDUCTOR", "").strip() or _flag("XACCEL_LEAVE_TO_INDUCTOR")
+
+
 def compile_threads() -> int:
     """XACCEL_COMPILE_THREADS (default 8): threads that compile tuning candidates concurrently;
     1 compiles them one after another."""
@@ -130,6 +138,7 @@ def load() -> Config:
 
     tuning_enabled()  # a bad XACCEL_TUNE / XACCEL_COMPILE_THREADS fails the compile here, not in a kernel call
     compile_threads()
+    leave_to_inductor()
     cutlass_mode()
     return Config(disable=_flag("XACCEL_DISABLE"), patterns=_patterns(FAMILIES_WITH_PASSES),
                   fallback=_fallback(), log=_flag("XACCEL_LOG"), cache_dir=_cache_dir(),
