@@ -544,7 +544,8 @@ def step(key, q, k, v, i, f, C, n, m, eps, scale_q=False):
         src = _ENV.get_template("mlstm_step.py.jinja").render(kernel_name=name)
         _KERNELS[key] = getattr(cache.load_source(name, src), name)
     q_scale, k_scale = (DK ** -0.5, 1.0) if scale_q else (1.0, DK ** -0.5)
-    args, meta, grid = (q, k, v, i, f, C, n, m, h, C2, n2, m2, q_scale, k_scale, eps), dict(DK=DK, DV=DV, BV=BV), (B * H, DV // BV)
+    # eps as a float: the compiled kernel's argument type must not depend on how a caller spelled it
+    args, meta, grid = (q, k, v, i, f, C, n, m, h, C2, n2, m2, q_scale, k_scale, float(eps)), dict(DK=DK, DV=DV, BV=BV), (B * H, DV // BV)
     # a decode step is host-bound: from the second call of a shape, its compiled kernel directly
     shape = (key, q.dtype, q.device, B, H, DK, DV)
     direct = _STEP_LAUNCHES.get(shape)

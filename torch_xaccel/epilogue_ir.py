@@ -118,6 +118,11 @@ _GRAD_FN = {  # ATen's own backward formulas, so a fused backward chain matches 
 }
 
 
+def node_function(op: str):
+    """The torch function that evaluates a unary, gradient or binary IR node (as evaluate does)."""
+    return _UNARY_FN.get(op) or _GRAD_FN.get(op) or _BINARY_FN[op]
+
+
 def _read_directly(ep: Epilogue) -> set[int]:
     """Nodes whose values the reverse pass reads: inputs of gelu/silu, outputs of
     relu/sigmoid/tanh, factors of mul/div."""

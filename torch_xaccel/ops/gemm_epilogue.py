@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .. import runtime
-from ..epilogue_ir import evaluate, needed_by_vjp, parse, read_by_vjp, vjp
+from ..epilogue_ir import evaluate, needed_by_vjp, node_function, parse, read_by_vjp, vjp
 
 OP_NAME = "gemm_epilogue"
 
@@ -92,8 +92,6 @@ def _program(epilogue, a, bs, operands, b_transposed, chain_dtype, fold_adds):
     """(a, bs, operands) -> outputs for one form: each GEMM (or addmm with its folded add), each
     chain node in order (epilogue_ir.evaluate's functions and casts), each output rounded to a's
     dtype, contiguous, and cloned where it is an input (custom ops must not alias their inputs)."""
-    from ..epilogue_ir import _BINARY_FN, _GRAD_FN, _UNARY_FN
-
     ep = parse(epilogue)
     folds = _addmm_folds(ep, a, bs, operands) if fold_adds else {}
     env = {"torch": torch, "CHAIN": chain_dtype}
@@ -123,7 +121,7 @@ def _program(epilogue, a, bs, operands, b_transposed, chain_dtype, fold_adds):
             env[f"c{k}"] = n["value"]
             lines.append(f"    v{k} = c{k}")
         else:
-            env[f"f{k}"] = _UNARY_FN.get(op) or _GRAD_FN.get(op) or _BINARY_FN[op]
+            env[f"f{k}"] = node_function(op)
             lines.append(f"    v{k} = f{k}({ins})")
     outs = ", ".join(f"v{o}.to(a.dtype).contiguous()" for o in ep.outputs)
     lines += [f"    outs = [{outs}]",
