@@ -532,7 +532,7 @@ def provider(key, a, bs, operands, epilogue, b_transposed):
             return out
     if a.dtype not in DTYPES or any(b.dim() != 2 for b in bs) or a.numel() == 0 or bs[0].numel() == 0:
         return NotImplemented
-    from torch_xaccel.ops.gemm_epilogue import aten_composition
+    aten_composition = _gemm_epilogue_op().aten_composition
 
     if not _int32_reach(a, bs, operands, b_transposed):
         return aten_composition(a, bs, operands, epilogue, b_transposed)  # cuBLAS takes 64-bit sizes

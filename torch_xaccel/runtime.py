@@ -41,7 +41,7 @@ def note_use(key) -> None:
     if SEEN is not None:
         SEEN.add(key)
 _BROKEN: set[tuple[str, str, tuple]] = set()
-_NAMES: dict = {}  # provider -> its name in reports (looked up once: dispatch runs per op call)
+_NAMES: dict = {}  # provider -> its name in reports (taken at registration: dispatch runs per op call)
 EVENTS: list[RuntimeFallback] = []
 
 
@@ -65,6 +65,7 @@ def register_provider(op: str, provider: Callable) -> None:
     """provider(key, *args) -> result | NotImplemented; `key` (hashable) names the case: device,
     dtype, shapes."""
     _PROVIDERS.setdefault(op, []).append(provider)
+    _NAMES[provider] = getattr(provider, "__qualname__", None) or repr(provider)
 
 
 def unregister_provider(op: str, provider: Callable) -> None:
@@ -79,7 +80,7 @@ def dispatch(op: str, key_fn: Callable[..., tuple], reference: Callable, *args):
     providers = _PROVIDERS.get(op, ())
     key = key_fn(*args) if providers else ()
     for provider in providers:
-        name = _NAMES.get(provider) or _NAMES.setdefault(provider, getattr(provider, "__qualname__", None) or repr(provider))
+        name = _NAMES[provider]
         if _BROKEN and (op, name, key) in _BROKEN:
             continue
         try:
