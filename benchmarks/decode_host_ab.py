@@ -6,9 +6,11 @@ end), median per path: the anchor (the package's Triton kernels, uncompiled) and
 compiled model with the GEMM launch plans (triton_gemm.LAUNCH_PLANS) launching their compiled
 kernels directly (triton_launch.ENABLED), through JITFunction.run, and with no plans. One rest
 fallback per process: two compiled instances of one model class may share Dynamo's cache entry.
-Run on the GPU machine:
+For the same reason `--fast-calls off` (the eager rest calling its ATen ops as OpOverloads, not
+through eager_calls.FAST_CALLS) is a process of its own. Run on the GPU machine:
 
-    python benchmarks/decode_host_ab.py --fallback eager|inductor [--rounds 15] [--calls 50] [--profile N]
+    python benchmarks/decode_host_ab.py --fallback eager|inductor [--fast-calls on|off] [--rounds 15] [--calls 50]
+        [--profile N]
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ def decoder(kernels: dict, fallback: str | None):
     cfg = xLSTMLargeConfig(vocab_size=50304, chunk_size=64, mode="inference", return_last_states=True,
                            embedding_dim=4096, num_heads=8, num_blocks=4, **kernels)
     torch.manual_seed(0)
-    model = xLSTMLarge(cfg).to("cuda", torch.bfloat16)
+    with torch.device("cuda"):  # (built on the GPU: the 7B-width blocks' fp32 init takes ~20 s on the host)
+        model = xLSTMLarge(cfg).to(torch.bfloat16)
     if fallback is not None:
         os.environ["XACCEL_FALLBACK"] = fallback
         model = torch.compile(model, backend="xaccel")
@@ -46,21 +49,24 @@ def decoder(kernels: dict, fallback: str | None):
 
 
 def main() -> None:
+    from torch_xaccel import eager_calls
     from torch_xaccel.codegen import triton_gemm, triton_launch
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--fallback", default="eager", choices=("eager", "inductor"))
+    ap.add_argument("--fast-calls", default="on", choices=("on", "off"))
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="afterwards, the xaccel path's host time under cProfile: N calls, top functions")
+                    help="afterwards, each path's host time under cProfile: N calls, top functions")
     args = ap.parse_args()
+    eager_calls.ENABLED = args.fast_calls == "on"
     native = dict(chunkwise_kernel="chunkwise--native_autograd", sequence_kernel="native_sequence__native",
                   step_kernel="native")
     anchor = dict(chunkwise_kernel="chunkwise--triton_limit_chunk", sequence_kernel="native_sequence__triton",
                   step_kernel="triton")
     calls = {"anchor (xlstm Triton kernels)": decoder(anchor, None),
-             f"xaccel, rest {args.fallback}": decoder(native, args.fallback)}
+             f"xaccel, rest {args.fallback}, fast calls {args.fast_calls}": decoder(native, args.fallback)}
     settings = {"": (True, True), ", launch plans launched directly": (True, True),
                 ", launch plans through JITFunction.run": (True, False), ", no launch plans": (False, False)}
     arms = [(name, label) for name in calls for label in settings if (label != "") == ("xaccel" in name)]
@@ -83,10 +89,12 @@ def main() -> None:
         import cProfile
         import pstats
 
-        prof = cProfile.Profile()
-        prof.runcall(lambda: [calls[f"xaccel, rest {args.fallback}"]() for _ in range(args.profile)])
-        torch.cuda.synchronize()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        for name, call in calls.items():
+            print(f"--- {name}: {args.profile} calls under cProfile", flush=True)
+            prof = cProfile.Profile()
+            prof.runcall(lambda: [call() for _ in range(args.profile)])
+            torch.cuda.synchronize()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

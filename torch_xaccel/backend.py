@@ -16,6 +16,7 @@ import warnings
 import torch
 
 from . import config as _config
+from . import eager_calls
 from . import ops  # noqa: F401  (registers torch.ops.xaccel.*)
 from .errors import XaccelFallbackWarning
 from .modes import CUDAGRAPHS, describe, rest_options, warn_inductor_only
@@ -28,16 +29,6 @@ _register_substitutions()  # before Dynamo traces anything for this backend
 def _pointwise_ops(g: torch.fx.GraphModule) -> int:
     return sum(1 for n in g.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
                and torch.Tag.pointwise in n.target.tags)
-
-
-def _direct_calls(g: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    from .ops import DIRECT_CALLS
-
-    for node in g.graph.nodes:
-        if node.op == "call_function" and node.target in DIRECT_CALLS:
-            node.target = DIRECT_CALLS[node.target]
-    g.recompile()
-    return g
 
 
 def _carry_dynamo_metadata(dynamo_gm: torch.fx.GraphModule, lowered: torch.fx.GraphModule) -> None:
@@ -82,12 +73,12 @@ def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str, patch
 
         return compile_graphed(gm, example_inputs)
     if not torch.is_grad_enabled():  # (grad mode on: xaccel ops called directly would drop their backward)
-        return _direct_calls(gm).forward
+        return eager_calls.rewrite(gm).forward
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     def run_eagerly(g, _inputs):
-        return make_boxed_func(_direct_calls(g).forward)
+        return make_boxed_func(eager_calls.rewrite(g).forward)
 
     def run_backward(g, inputs):
         if backward_pass is not None:
