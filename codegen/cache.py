@@ -82,7 +82,7 @@ def tuning_decision(key: str, valid, tune):
 
 SHARED_LIMIT = 232448  # bytes of shared memory per block on sm_90 (227 KiB): what a tile config may ask
 
-TUNING_VERSION = 5  # part of every tuning key: bump when candidate lists or timing methods change
+TUNING_VERSION = 6  # part of every tuning key: bump when candidate lists or timing methods change
 
 
 def precompile(cands, warmup) -> None:

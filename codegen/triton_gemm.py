@@ -51,6 +51,16 @@ DUAL = [("tma", 128, 128, 64, 8, 8, 3, 1), ("tma", 128, 128, 64, 8, 8, 4, 0), ("
 # the N8 gate projection took 15-22 s of a 64 s cold compile with the LARGE list)
 NARROW_N = [("ptr", 64, 16, 256, 8, 4, 3, 0), ("ptr", 32, 32, 256, 8, 4, 3, 0), ("ptr", 128, 32, 128, 8, 4, 4, 0)]
 NARROW_N_COLS = 64
+# M <= DECODE_M_ROWS (a decode step's batch): 16-row tiles, the fewest tl.dot takes, and the whole
+# grid along N. GPU time at M1 on the H200 (bf16, eighteenth session, benchmarks/decode_gemm_host.py,
+# the 7B-width xLSTMLarge's chains): 12.5-15.7 us on its 4096-wide chains where SMALL_M's best took
+# 35-57 us (cuBLAS + the chain 12.3-14.4), 51 against 69 us on its SwiGLU dual GEMM (cuBLAS 58),
+# 38 against 113 us on its down projection (cuBLAS 30), 104 against 410 us on its LM head (cuBLAS
+# 110). SMALL_M's 32-128-row tiles compute and stage 32-128 rows for one.
+DECODE = [("ptr", 16, 64, 256, 1, 4, 3, 0), ("ptr", 16, 64, 128, 1, 4, 4, 0), ("ptr", 16, 128, 128, 1, 4, 4, 0),
+          ("ptr", 16, 32, 256, 1, 4, 3, 0)]
+DECODE_NARROW_N = [NARROW_N[0], ("ptr", 16, 16, 512, 1, 4, 3, 0), ("ptr", 16, 32, 128, 1, 2, 4, 0)]  # 8.8 / 9.3 / 10.6 us at N8
+DECODE_M_ROWS = 16
 FP32 = [("ptr", 128, 128, 32, 8, 8, 3, 0), ("ptr", 64, 128, 32, 8, 4, 4, 0), ("ptr", 64, 64, 32, 8, 4, 4, 0)]
 INTERPRETER = ("ptr", 32, 32, 32, 4, 4, 1, 0)
 
@@ -77,7 +87,9 @@ def candidates(m: int, n_gemms: int, dtype: torch.dtype, n: int | None = None) -
     if dtype == torch.float32:
         listed = FP32
     elif n is not None and n <= NARROW_N_COLS and n_gemms == 1:
-        listed = NARROW_N
+        listed = DECODE_NARROW_N if m <= DECODE_M_ROWS else NARROW_N
+    elif m <= DECODE_M_ROWS:
+        listed = DECODE
     elif m <= SMALL_M_ROWS:
         listed = SMALL_M
     else:
@@ -211,7 +223,7 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _tune(case: _Case, reference_fn, cands, make_case, timings: list) -> tuple | None:
+def _tune(case: _Case, reference_fn, cands, make_case, timings: list, steady=None) -> tuple | None:
     """Time every config and the ATen composition; None means ATen won. Large GEMMs: plain
     do_bench, the per-call preparation (make_case) inside the kernel timing. Small-M cases
     (decode, M <= SMALL_M_ROWS): GPU time only (_gpu_ms), both sides alike: plain timing there
@@ -222,7 +234,9 @@ def _tune(case: _Case, reference_fn, cands, make_case, timings: list) -> tuple |
     training or serving loop. do_bench's short bursts, with an L2 flush between calls, rated the
     Triton kernel level with CUTLASS at M16384 K4096 N16384 (3.137 against 3.147 ms) where back
     to back it ran 3.54 against 3.12-3.29 ms (H200, tenth session): the burst timing picked a
-    kernel 10 % slower in use."""
+    kernel 10 % slower in use.
+    Decode-size cases (M <= DECODE_M_ROWS) where ATen wins on GPU time then weigh host time too
+    (_with_host_time)."""
     import triton.testing
 
     outs = case.new_outputs()
@@ -239,9 +253,46 @@ def _tune(case: _Case, reference_fn, cands, make_case, timings: list) -> tuple |
         time_fn, note = _gpu_ms, "GPU time, back to back"
         aten_ms = time_fn(reference_fn)
     timings.append(["aten", round(aten_ms, 5), note])
-    return cache.fastest(f"{case.kernel_name} M{case.M} N{case.N} K{case.K}", cands,
+    best = cache.fastest(f"{case.kernel_name} M{case.M} N{case.N} K{case.K}", cands,
                          lambda cfg: time_fn(lambda: make_case().launch(cfg, outs)),
                          best=None, best_ms=aten_ms, timings=timings)
+    if best is None and case.M <= DECODE_M_ROWS and steady is not None:
+        best = _with_host_time(aten_ms, reference_fn, steady, timings)
+    return best
+
+
+def _with_host_time(aten_ms: float, reference_fn, steady, timings: list) -> tuple | None:
+    """A decode-size case that ATen won on GPU time: the fastest config instead where its GPU time
+    plus its host time per call is below ATen's. A decode step runs its calls either captured in a
+    CUDA graph (GPU time alone counts) or plainly, where the host is the bottleneck (the 7B-width
+    xLSTMLarge: 0.86 ms a token graphed, 3.2-4.8 ms plain) and each call costs its host time: the
+    sum weighs both regimes. On the H200's host, cuBLAS + a chain of one to four ATen ops took
+    36-99 us a call and a kept plan's direct launch 20-30 us, against GPU times of 9-16 us at
+    M1 K4096 (eighteenth session)."""
+    tried = [(ms, tuple(cfg)) for cfg, ms, _ in timings if isinstance(cfg, tuple) and ms is not None]
+    if not tried:
+        return None
+    cfg_ms, cfg = min(tried)
+    aten_host, cfg_host = _host_ms(reference_fn), _host_ms(steady(cfg))
+    timings += [["aten", round(aten_host, 5), "host time per call"], [cfg, round(cfg_host, 5), "host time per call"]]
+    return cfg if cfg_ms + cfg_host < aten_ms + aten_host else None
+
+
+def _host_ms(fn, calls: int = 20, rounds: int = 3) -> float:
+    """CPU milliseconds per call of fn with the GPU kept busy ahead of it (a queued sleep of ~10 ms
+    or more), so that no launch waits on the device: what an uncaptured decode call costs the
+    host. Median of `rounds`."""
+    fn()
+    torch.cuda.synchronize()
+    results = []
+    for _ in range(rounds):
+        torch.cuda._sleep(20_000_000)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        results.append((time.perf_counter() - t0) * 1e3 / calls)
+        torch.cuda.synchronize()
+    return sorted(results)[len(results) // 2]
 
 
 def _gpu_ms(fn, calls: int = 20, rounds: int = 3) -> float:
@@ -303,11 +354,12 @@ def _resolved(case: _Case, cfgs) -> bool:
     return all(cutlass_gemm.state(*case.cutlass_source(tuple(c))) in ("built", "failed") for c in cfgs)
 
 
-def choose(case: _Case, reference_fn, make_case) -> tuple[tuple | None, list]:
+def choose(case: _Case, reference_fn, make_case, steady=None) -> tuple[tuple | None, list]:
     """(config or None for ATen, CUTLASS configs still building). With XACCEL_CUTLASS=1 a case is
     tuned without the CUTLASS kernels that are not built yet, their builds start in the background
     and the decision records them as pending; once they are all built (or failed) the stored
-    decision no longer counts and the case is timed again, with them."""
+    decision no longer counts and the case is timed again, with them. steady(cfg): a call of a
+    config as it runs once decided (for the host time of decode-size cases, _tune)."""
     if cache.interpreting():
         return INTERPRETER, []
     cands = [c for c in candidates(case.M, case.ep.num_accs, case.dtype, case.N) if case.usable(c)]
@@ -331,7 +383,7 @@ def choose(case: _Case, reference_fn, make_case) -> tuple[tuple | None, list]:
         if cut and cutlass_mode() == "wait":
             cutlass_gemm.build_all([case.cutlass_source(c) for c in cut], f"{case.kernel_name} M{case.M}")
         pending = [c for c in cut if not _resolved(case, [c])]
-        best = _tune(case, reference_fn, cands + [c for c in cut if c not in pending], make_case, timings)
+        best = _tune(case, reference_fn, cands + [c for c in cut if c not in pending], make_case, timings, steady)
         return {"config": list(best) if best else None, "timings": timings, "pending": [list(c) for c in pending]}
     entry = cache.tuning_decision(key, valid, tune)
     pending = [tuple(c) for c in entry.get("pending") or ()]
@@ -495,6 +547,20 @@ def _make_plan(case: "_Case", cfg: tuple, a, bs, operands) -> "_Plan | None":
     return _Plan(case, cfg, kept=True)
 
 
+def _steady_call(cfg: tuple, a, bs, operands, epilogue, b_transposed):
+    """A call of a decided config as the provider then makes it: through a kept plan where one
+    applies (launched directly from its second call), else prepared per call through _Case."""
+    case = _Case(a, bs, operands, epilogue, b_transposed)
+    plan = _make_plan(case, cfg, a, bs, operands) if LAUNCH_PLANS and case.M <= SMALL_M_ROWS else None
+    if plan is not None:
+        return lambda: plan(a, bs, operands)
+
+    def call():
+        c = _Case(a, bs, operands, epilogue, b_transposed)
+        c.launch(cfg, c.new_outputs())
+    return call
+
+
 @functools.lru_cache(maxsize=None)
 def _gemm_epilogue_op():
     from torch_xaccel.ops import gemm_epilogue  # (it imports this module on first use: not at the top)
@@ -551,7 +617,8 @@ def provider(key, a, bs, operands, epilogue, b_transposed):
     case = _Case(a, bs, operands, epilogue, b_transposed)
     if cfg == "unset":
         cfg, pending = choose(case, lambda: aten_composition(a, bs, operands, epilogue, b_transposed),
-                              lambda: _Case(a, bs, operands, epilogue, b_transposed))
+                              lambda: _Case(a, bs, operands, epilogue, b_transposed),
+                              lambda c: _steady_call(c, a, bs, operands, epilogue, b_transposed))
         _DECISIONS[key] = cfg
         if pending:
             _PENDING[key] = (time.monotonic() + POLL_S, [case.cutlass_source(c) for c in pending])

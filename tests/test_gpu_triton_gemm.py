@@ -66,7 +66,7 @@ def _check_direct(plan, cfg, a, bs, ops, text, transposed):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("M", [1000, 96])  # LARGE and SMALL_M configuration lists, ragged edges
+@pytest.mark.parametrize("M", [1000, 96, 5])  # LARGE, SMALL_M and DECODE configuration lists, ragged edges
 def test_every_config_single_gemm(dtype, M):
     from torch_xaccel.codegen import triton_gemm
 
@@ -79,13 +79,14 @@ def test_every_config_single_gemm(dtype, M):
         _check(case, cfg, a, bs, ops, GELU_RES, True)
 
 
+@pytest.mark.parametrize("M", [1000, 3])
 @pytest.mark.parametrize("N", [8, 40])
-def test_every_narrow_n_config(N):
-    """The gate-projection list (N <= 64), ragged M and N."""
+def test_every_narrow_n_config(N, M):
+    """The gate-projection lists (N <= 64; decode-size M has its own), ragged M and N."""
     from torch_xaccel.codegen import triton_gemm
 
     torch.manual_seed(N)
-    M, K = 1000, 520
+    K = 520
     a, bs = _inputs(M, K, N, torch.bfloat16, 1)
     ops = [torch.randn(N, device="cuda", dtype=torch.bfloat16), torch.randn(M, N, device="cuda", dtype=torch.bfloat16)]
     case = triton_gemm._Case(a, bs, ops, GELU_RES, True)
@@ -93,12 +94,13 @@ def test_every_narrow_n_config(N):
         _check(case, cfg, a, bs, ops, GELU_RES, True)
 
 
+@pytest.mark.parametrize("M", [700, 2])
 @pytest.mark.parametrize("transposed", [True, False])
-def test_every_config_dual_gemm_bf16(transposed):
+def test_every_config_dual_gemm_bf16(transposed, M):
     from torch_xaccel.codegen import triton_gemm
 
     torch.manual_seed(1)
-    M, K, N = 700, 384, 500
+    K, N = 384, 500
     a, bs = _inputs(M, K, N, torch.bfloat16, 2, transposed)
     case = triton_gemm._Case(a, bs, [], SWIGLU, transposed)
     for cfg in triton_gemm.candidates(M, 2, torch.bfloat16):
@@ -159,3 +161,34 @@ def test_gpu_time_excludes_the_cpu_launch_cost():
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     ratio = triton_gemm._gpu_ms(lambda: a @ a) / triton.testing.do_bench(lambda: a @ a, return_mode="median")
     assert 0.6 < ratio < 1.4, ratio
+
+
+def test_decode_tuning_times_every_decode_config_and_weighs_host_time(tmp_path, monkeypatch):
+    """An M1 case (decode) times each DECODE config on the GPU; where ATen wins that, the entry
+    holds both sides' host time and the decision is the lower GPU + host sum. The result matches
+    the fp64 reference either way."""
+    from torch_xaccel.codegen import cache, triton_gemm
+
+    monkeypatch.setenv("XACCEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("XACCEL_CUTLASS", "0")
+    monkeypatch.setattr(triton_gemm, "_DECISIONS", {})
+    torch.manual_seed(4)
+    a, bs = _inputs(1, 4096, 4096, torch.bfloat16, 1)
+    ops = [torch.randn(4096, device="cuda", dtype=torch.bfloat16), torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)]
+    key = triton_gemm._Case(a, bs, ops, GELU_RES, True).tuning_key()
+    out = triton_gemm.provider("case-decode", a, bs, ops, GELU_RES, True)
+    want = reference(a.double(), [bs[0].double()], [o.double() for o in ops], GELU_RES, True)
+    for o, w in zip(out, want):
+        assert rel_err(o, w) <= 1e-2
+    entry = cache.read_entry("tuning", key)
+    gpu = {tuple(c): ms for c, ms, why in entry["timings"] if isinstance(c, list) and why == ""}
+    host = {(tuple(c) if isinstance(c, list) else c): ms for c, ms, why in entry["timings"] if why == "host time per call"}
+    assert set(gpu) == set(triton_gemm.DECODE) and all(ms is not None for ms in gpu.values()), entry["timings"]
+    aten_gpu = next(ms for c, ms, why in entry["timings"] if c == "aten" and why != "host time per call")
+    best = min(gpu, key=gpu.get)
+    if gpu[best] < aten_gpu:
+        assert tuple(entry["config"]) == best and not host
+    else:
+        assert set(host) == {"aten", best}, entry["timings"]
+        chose = best if gpu[best] + host[best] < aten_gpu + host["aten"] else None
+        assert (tuple(entry["config"]) if entry["config"] else None) == chose

@@ -158,7 +158,7 @@ def test_every_listed_config_fits_shared_memory():
     OutOfResources for 128x256x64 with 4 stages): none may be listed."""
     from torch_xaccel.codegen import triton_gemm as tg
 
-    for lst, n in ((tg.LARGE, 1), (tg.SMALL_M, 1), (tg.DUAL, 2), (tg.NARROW_N, 1)):
+    for lst, n in ((tg.LARGE, 1), (tg.SMALL_M, 1), (tg.DUAL, 2), (tg.NARROW_N, 1), (tg.DECODE, 1), (tg.DECODE_NARROW_N, 1)):
         for cfg in lst:
             assert tg.shared_bytes(cfg, n) <= tg.SHARED_LIMIT, cfg
     assert tg.shared_bytes(("tma", 128, 256, 64, 8, 8, 4, 0), 1) > tg.SHARED_LIMIT  # measured: 262176 B
@@ -172,7 +172,7 @@ def test_candidates_fit_shared_memory_for_their_gemm_count_and_dtype():
     from torch_xaccel.codegen import triton_gemm as tg
 
     for dtype in (torch.bfloat16, torch.float32):
-        for m, n in ((128, 4096), (8192, 4096), (8192, 8), (128, 8)):
+        for m, n in ((1, 4096), (128, 4096), (8192, 4096), (8192, 8), (128, 8), (1, 8)):
             for n_gemms in (1, 2):
                 cands = tg.candidates(m, n_gemms, dtype, n)
                 assert cands, (m, n, n_gemms, dtype)
@@ -188,9 +188,13 @@ def test_candidate_lists_by_shape_class():
 
     from torch_xaccel.codegen import triton_gemm as tg
 
-    assert tg.candidates(8192, 1, torch.bfloat16, 8) == tg.NARROW_N == tg.candidates(1, 1, torch.float16, 64)
+    assert tg.candidates(8192, 1, torch.bfloat16, 8) == tg.NARROW_N == tg.candidates(17, 1, torch.float16, 64)
+    assert tg.candidates(1, 1, torch.float16, 64) == tg.DECODE_NARROW_N == tg.candidates(16, 1, torch.bfloat16, 8)
     assert tg.candidates(8192, 1, torch.bfloat16, 65) == tg.LARGE == tg.candidates(8192, 1, torch.bfloat16)
-    assert tg.candidates(128, 1, torch.bfloat16, 4096) == tg.SMALL_M
+    assert tg.candidates(128, 1, torch.bfloat16, 4096) == tg.SMALL_M == tg.candidates(17, 1, torch.bfloat16, 4096)
+    assert tg.candidates(1, 1, torch.bfloat16, 4096) == tg.DECODE == tg.candidates(16, 1, torch.bfloat16)
+    assert tg.candidates(8, 2, torch.bfloat16, 4096) == [c for c in tg.DECODE if tg.shared_bytes(c, 2) <= tg.SHARED_LIMIT]
+    assert all(c[1] == 16 for c in tg.DECODE + tg.DECODE_NARROW_N[1:])  # one tl.dot's worth of rows
     assert tg.candidates(8192, 2, torch.bfloat16, 8) == tg.DUAL
     assert tg.candidates(8192, 1, torch.float32, 8) == tg.FP32
 
@@ -322,3 +326,25 @@ def test_aten_decision_keeps_a_plan_for_small_m_only_while_it_stands(monkeypatch
     with pytest.raises(LookupError):
         tg.provider("k", small, [b], [], "ep", True)
     assert calls == [4, 4, tg.SMALL_M_ROWS + 1, 4]
+
+
+def test_decode_case_that_aten_wins_on_gpu_weighs_host_time(monkeypatch):
+    """A decode-size case that ATen won on GPU time goes to the fastest config when that config's
+    GPU + host time per call is lower, else stays with ATen; both host times go into the entry."""
+    from torch_xaccel.codegen import triton_gemm as tg
+
+    host = {"aten": 0.060, "cfg": 0.025}
+    monkeypatch.setattr(tg, "_host_ms", lambda fn: host[fn()])
+    fast, slow = tg.DECODE[0], tg.DECODE[1]
+
+    def decide(aten_gpu):
+        timings = [["aten", aten_gpu, "GPU time"], [slow, 0.020, ""], [fast, 0.015, ""], [tg.DECODE[2], None, "no fit"]]
+        steady = lambda cfg: (lambda: "cfg" if cfg == fast else "other")  # noqa: E731 - only `fast` may be timed
+        return tg._with_host_time(aten_gpu, lambda: "aten", steady, timings), timings
+
+    cfg, timings = decide(0.012)  # 0.015 + 0.025 < 0.012 + 0.060
+    assert cfg == fast
+    assert timings[-2:] == [["aten", 0.06, "host time per call"], [fast, 0.025, "host time per call"]]
+    host["cfg"] = 0.058  # the config's host cost eats its lead: 0.015 + 0.058 > 0.012 + 0.060
+    assert decide(0.012)[0] is None
+    assert tg._with_host_time(0.012, lambda: "aten", lambda cfg: None, [["aten", 0.012, ""]]) is None  # nothing built
