@@ -53,7 +53,7 @@ def host_us(fn, calls: int = 200) -> float:
 
 
 def main() -> None:
-    from codegen import triton_gemm as tg
+    from torch_xaccel.codegen import triton_gemm as tg
     from torch_xaccel.ops.gemm_epilogue import aten_composition
 
     ap = argparse.ArgumentParser()

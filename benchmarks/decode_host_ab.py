@@ -7,10 +7,17 @@ compiled model with the GEMM launch plans (triton_gemm.LAUNCH_PLANS) launching t
 kernels directly (triton_launch.ENABLED), through JITFunction.run, and with no plans. One rest
 fallback per process: two compiled instances of one model class may share Dynamo's cache entry.
 For the same reason `--fast-calls off` (the eager rest calling its ATen ops as OpOverloads, not
-through eager_calls.FAST_CALLS) is a process of its own. Run on the GPU machine:
+through eager_calls.FAST_CALLS) is a process of its own, and so is `--decode-tiles off` (decode-size
+GEMM chains tuned as before the eighteenth session: triton_gemm.DECODE_M_ROWS = 0, so SMALL_M's
+tiles and GPU time alone; give such a process its own XACCEL_CACHE_DIR). Run on the GPU machine:
 
-    python benchmarks/decode_host_ab.py --fallback eager|inductor [--fast-calls on|off] [--rounds 15] [--calls 50]
-        [--profile N]
+    python benchmarks/decode_host_ab.py --fallback eager|inductor [--fast-calls on|off] [--decode-tiles on|off]
+        [--rounds 15] [--calls 50]
+        [--direct-only] [--graphed] [--profile N]
+
+--graphed adds each path captured in a CUDA graph (replays: GPU time, no host cost). Each row also
+gives the process's CPU time per token: the host is shared and its wall times spread (the anchor
+3.3-5.9 ms between calls), the CPU time a path spends is steadier.
 """
 from __future__ import annotations
 
@@ -55,41 +62,59 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fallback", default="eager", choices=("eager", "inductor"))
     ap.add_argument("--fast-calls", default="on", choices=("on", "off"))
+    ap.add_argument("--decode-tiles", default="on", choices=("on", "off"))
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--direct-only", action="store_true", help="xaccel with its launch plans launched directly only")
+    ap.add_argument("--graphed", action="store_true", help="also each path's CUDA-graph replay")
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="afterwards, each path's host time under cProfile: N calls, top functions")
     args = ap.parse_args()
     eager_calls.ENABLED = args.fast_calls == "on"
+    if args.decode_tiles == "off":
+        triton_gemm.DECODE_M_ROWS = 0
     native = dict(chunkwise_kernel="chunkwise--native_autograd", sequence_kernel="native_sequence__native",
                   step_kernel="native")
     anchor = dict(chunkwise_kernel="chunkwise--triton_limit_chunk", sequence_kernel="native_sequence__triton",
                   step_kernel="triton")
     calls = {"anchor (xlstm Triton kernels)": decoder(anchor, None),
-             f"xaccel, rest {args.fallback}, fast calls {args.fast_calls}": decoder(native, args.fallback)}
+             f"xaccel, rest {args.fallback}, fast calls {args.fast_calls}, decode tiles {args.decode_tiles}":
+             decoder(native, args.fallback)}
+    if args.graphed:
+        from torch_xaccel.bench import _graphed
+
+        calls.update({f"{name}, CUDA graph": _graphed(call) for name, call in list(calls.items())})
     settings = {"": (True, True), ", launch plans launched directly": (True, True),
                 ", launch plans through JITFunction.run": (True, False), ", no launch plans": (False, False)}
-    arms = [(name, label) for name in calls for label in settings if (label != "") == ("xaccel" in name)]
+    if args.direct_only:
+        del settings[", launch plans through JITFunction.run"], settings[", no launch plans"]
+    arms = [(name, label) for name in calls for label in settings
+            if (label != "") == ("xaccel" in name and "graph" not in name)]
     times: dict = {arm: [] for arm in arms}
+    cpu: dict = {arm: [] for arm in arms}
     for _ in range(args.rounds):
         for name, label in arms:
             triton_gemm.LAUNCH_PLANS, triton_launch.ENABLED = settings[label]
             torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(args.calls):
                 calls[name]()
+            c1 = time.process_time()
             torch.cuda.synchronize()
             times[(name, label)].append((time.perf_counter() - t0) * 1e3 / args.calls)
+            cpu[(name, label)].append((c1 - c0) * 1e3 / args.calls)
     triton_gemm.LAUNCH_PLANS = triton_launch.ENABLED = True
     for (name, label), ms in times.items():
-        label = name + label
-        print(f"{label:75s} median {statistics.median(ms):.3f} ms per token (min {min(ms):.3f}, max {max(ms):.3f}, "
-              f"{args.rounds} rounds x {args.calls} calls)", flush=True)
+        print(f"{name + label:85s} median {statistics.median(ms):.3f} ms per token (min {min(ms):.3f}, max {max(ms):.3f}, "
+              f"{args.rounds} rounds x {args.calls} calls; CPU time {statistics.median(cpu[(name, label)]):.3f} ms)",
+              flush=True)
     if args.profile:
         import cProfile
         import pstats
 
         for name, call in calls.items():
+            if "graph" in name:
+                continue
             print(f"--- {name}: {args.profile} calls under cProfile", flush=True)
             prof = cProfile.Profile()
             prof.runcall(lambda: [call() for _ in range(args.profile)])
