@@ -1,4 +1,4 @@
-"""One-token decode of the 7B-width xLSTMLarge (batch 1, bf16, after a 64-token prompt), plain
+"""One-token decode of the 7B-width xLSTMLarge (batch 1 unless --batch, bf16, after a 64-token prompt), plain
 calls: host-bound, so the bench's per-process timings of it spread by 20 % and more between runs
 (sixteenth session: the anchor 4.97 then 4.09 ms). This times the paths in one process,
 alternating rounds of wall-clock time per call (queued back to back, synchronised at the round's
@@ -12,7 +12,7 @@ GEMM chains tuned as before the eighteenth session: triton_gemm.DECODE_M_ROWS = 
 tiles and GPU time alone; give such a process its own XACCEL_CACHE_DIR). Run on the GPU machine:
 
     python benchmarks/decode_host_ab.py --fallback eager|inductor [--fast-calls on|off] [--decode-tiles on|off]
-        [--rounds 15] [--calls 50]
+        [--batch 1] [--rounds 15] [--calls 50]
         [--direct-only] [--graphed] [--profile N]
 
 --graphed adds each path captured in a CUDA graph (replays: GPU time, no host cost). Each row also
@@ -29,7 +29,7 @@ import time
 import torch
 
 
-def decoder(kernels: dict, fallback: str | None):
+def decoder(kernels: dict, fallback: str | None, batch: int = 1):
     """A one-token call of the model with these kernels, compiled by xaccel with this rest
     fallback (None: uncompiled)."""
     from xlstm.xlstm_large.model import xLSTMLarge, xLSTMLargeConfig
@@ -43,8 +43,8 @@ def decoder(kernels: dict, fallback: str | None):
         os.environ["XACCEL_FALLBACK"] = fallback
         model = torch.compile(model, backend="xaccel")
     with torch.inference_mode():
-        _, state = model(torch.randint(0, 50304, (1, 64), device="cuda"))
-        tok = torch.randint(0, 50304, (1, 1), device="cuda")
+        _, state = model(torch.randint(0, 50304, (batch, 64), device="cuda"))
+        tok = torch.randint(0, 50304, (batch, 1), device="cuda")
         for _ in range(5):  # compile, tune, settle
             model(tok, state)
     torch.cuda.synchronize()
@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--fallback", default="eager", choices=("eager", "inductor"))
     ap.add_argument("--fast-calls", default="on", choices=("on", "off"))
     ap.add_argument("--decode-tiles", default="on", choices=("on", "off"))
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--direct-only", action="store_true", help="xaccel with its launch plans launched directly only")
     ap.add_argument("--graphed", action="store_true", help="also each path's CUDA-graph replay")
@@ -77,9 +78,9 @@ def main() -> None:
                   step_kernel="native")
     anchor = dict(chunkwise_kernel="chunkwise--triton_limit_chunk", sequence_kernel="native_sequence__triton",
                   step_kernel="triton")
-    calls = {"anchor (xlstm Triton kernels)": decoder(anchor, None),
+    calls = {"anchor (xlstm Triton kernels)": decoder(anchor, None, args.batch),
              f"xaccel, rest {args.fallback}, fast calls {args.fast_calls}, decode tiles {args.decode_tiles}":
-             decoder(native, args.fallback)}
+             decoder(native, args.fallback, args.batch)}
     if args.graphed:
         from torch_xaccel.bench import _graphed
 

@@ -299,7 +299,11 @@ def _gpu_ms(fn, calls: int = 20, rounds: int = 3) -> float:
     """GPU milliseconds per call of fn, without its CPU launch cost and without a graph capture
     (which would disturb other threads and, if it failed, the caching allocator): a GPU sleep
     longer than the CPU needs to queue `calls` calls is enqueued first, so the events around them
-    time only the GPU's work. The sleep is sized from a first, plain round. Median of `rounds`."""
+    time only the GPU's work. The sleep is sized from a first, plain round, at four times its
+    queueing time: the GPU machine's host runs the same Python up to twice as slowly from one
+    moment to the next (eighteenth session: the anchor's plain decode took 3.5-6.8 ms a token in one
+    process), and at twice the round's time a 0.5 ms-per-call test function measured 0.12 ms of
+    "GPU time" once. Median of `rounds`."""
     fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -312,10 +316,10 @@ def _gpu_ms(fn, calls: int = 20, rounds: int = 3) -> float:
     torch.cuda._sleep(10_000_000)
     end.record()
     torch.cuda.synchronize()
-    cycles = int(10_000_000 * 2 * queue_ms / max(start.elapsed_time(end), 1e-3)) + 1_000_000
+    cycles = int(10_000_000 * 4 * queue_ms / max(start.elapsed_time(end), 1e-3)) + 1_000_000
     results = []
     for _ in range(rounds):
-        torch.cuda._sleep(cycles)  # twice the queueing time
+        torch.cuda._sleep(cycles)  # four times the queueing time
         start.record()
         for _ in range(calls):
             fn()
