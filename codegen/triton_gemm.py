@@ -275,7 +275,12 @@ def _with_host_time(aten_ms: float, reference_fn, steady, timings: list) -> tupl
     cfg_ms, cfg = min(tried)
     aten_host, cfg_host = _host_ms(reference_fn), _host_ms(steady(cfg))
     timings += [["aten", round(aten_host, 5), "host time per call"], [cfg, round(cfg_host, 5), "host time per call"]]
-    return cfg if cfg_ms + cfg_host < aten_ms + aten_host else None
+    if cfg_ms + cfg_host >= aten_ms + aten_host:
+        return None
+    timings.append(["decided by", None, f"; chosen on GPU + host time per call, {(cfg_ms + cfg_host) * 1e3:.1f} against "
+                                        f"ATen's {(aten_ms + aten_host) * 1e3:.1f} us (on the GPU alone ATen is faster, "
+                                        f"{aten_ms * 1e3:.1f} against {cfg_ms * 1e3:.1f} us)"])
+    return cfg
 
 
 def _host_ms(fn, calls: int = 20, rounds: int = 3) -> float:
@@ -358,14 +363,15 @@ def _resolved(case: _Case, cfgs) -> bool:
     return all(cutlass_gemm.state(*case.cutlass_source(tuple(c))) in ("built", "failed") for c in cfgs)
 
 
-def choose(case: _Case, reference_fn, make_case, steady=None) -> tuple[tuple | None, list]:
-    """(config or None for ATen, CUTLASS configs still building). With XACCEL_CUTLASS=1 a case is
+def choose(case: _Case, reference_fn, make_case, steady=None) -> tuple[tuple | None, list, str]:
+    """(config or None for ATen, CUTLASS configs still building, a note for reports on why a
+    decode-size case took a config slower on the GPU than ATen, else ""). With XACCEL_CUTLASS=1 a case is
     tuned without the CUTLASS kernels that are not built yet, their builds start in the background
     and the decision records them as pending; once they are all built (or failed) the stored
     decision no longer counts and the case is timed again, with them. steady(cfg): a call of a
     config as it runs once decided (for the host time of decode-size cases, _tune)."""
     if cache.interpreting():
-        return INTERPRETER, []
+        return INTERPRETER, [], ""
     cands = [c for c in candidates(case.M, case.ep.num_accs, case.dtype, case.N) if case.usable(c)]
     cut_note: list = []
     cut = cutlass_candidates(case, cut_note)
@@ -375,8 +381,8 @@ def choose(case: _Case, reference_fn, make_case, steady=None) -> tuple[tuple | N
     if not tuning_enabled():  # XACCEL_TUNE=0: a stored decision, else the shape class's first config, untimed
         stored = cache.read_entry("tuning", key)
         if isinstance(stored, dict) and valid_cfg(stored.get("config", "bad")):
-            return (tuple(stored["config"]) if stored["config"] else None), []
-        return (cands[0] if cands else None), []
+            return (tuple(stored["config"]) if stored["config"] else None), [], ""
+        return (cands[0] if cands else None), [], ""
 
     def valid(e) -> bool:
         return (isinstance(e, dict) and valid_cfg(e.get("config", "bad"))
@@ -393,7 +399,8 @@ def choose(case: _Case, reference_fn, make_case, steady=None) -> tuple[tuple | N
     pending = [tuple(c) for c in entry.get("pending") or ()]
     for c in pending:
         cutlass_gemm.start_build(*case.cutlass_source(c))  # no-op when built, failed or building elsewhere
-    return (tuple(entry["config"]) if entry["config"] else None), pending
+    note = next((why for cfg, _, why in entry.get("timings") or () if cfg == "decided by"), "")
+    return (tuple(entry["config"]) if entry["config"] else None), pending, note
 
 
 _DECISIONS: dict = {}
@@ -620,13 +627,13 @@ def provider(key, a, bs, operands, epilogue, b_transposed):
         return aten_composition(a, bs, operands, epilogue, b_transposed)
     case = _Case(a, bs, operands, epilogue, b_transposed)
     if cfg == "unset":
-        cfg, pending = choose(case, lambda: aten_composition(a, bs, operands, epilogue, b_transposed),
+        cfg, pending, note = choose(case, lambda: aten_composition(a, bs, operands, epilogue, b_transposed),
                               lambda: _Case(a, bs, operands, epilogue, b_transposed),
                               lambda c: _steady_call(c, a, bs, operands, epilogue, b_transposed))
         _DECISIONS[key] = cfg
         if pending:
             _PENDING[key] = (time.monotonic() + POLL_S, [case.cutlass_source(c) for c in pending])
-        runtime.record_choice(key, "gemm_epilogue", case.label(), describe(cfg, len(pending)))
+        runtime.record_choice(key, "gemm_epilogue", case.label(), describe(cfg, len(pending)) + note)
     if cfg is None or not case.usable(cfg):
         # ATen measured faster for this shape class, or this call's strides/alignment rule out
         # the TMA kernel tuned on an earlier call with the same shapes

@@ -73,7 +73,7 @@ def test_explain_names_the_kernel_each_gemm_case_runs(monkeypatch, tmp_path):
     monkeypatch.setenv("XACCEL_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(triton_gemm, "_DECISIONS", {})
     monkeypatch.setattr(triton_gemm, "_PENDING", {})
-    monkeypatch.setattr(triton_gemm, "choose", lambda case, *a: (None, []))
+    monkeypatch.setattr(triton_gemm, "choose", lambda case, *a: (None, [], ""))
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(approximate="tanh"))
     report = torch_xaccel.explain(model, torch.randn(4, 8))
     assert report.kernel_choices == [("gemm_epilogue", "float32 M4 N16 K8: add(row) -> gelu_tanh", "ATen (cuBLAS, then the chain)")]

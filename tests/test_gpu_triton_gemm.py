@@ -167,6 +167,7 @@ def test_decode_tuning_times_every_decode_config_and_weighs_host_time(tmp_path, 
     """An M1 case (decode) times each DECODE config on the GPU; where ATen wins that, the entry
     holds both sides' host time and the decision is the lower GPU + host sum. The result matches
     the fp64 reference either way."""
+    from torch_xaccel import runtime
     from torch_xaccel.codegen import cache, triton_gemm
 
     monkeypatch.setenv("XACCEL_CACHE_DIR", str(tmp_path))
@@ -192,3 +193,5 @@ def test_decode_tuning_times_every_decode_config_and_weighs_host_time(tmp_path, 
         assert set(host) == {"aten", best}, entry["timings"]
         chose = best if gpu[best] + host[best] < aten_gpu + host["aten"] else None
         assert (tuple(entry["config"]) if entry["config"] else None) == chose
+        noted = "chosen on GPU + host time" in runtime.CHOICES["case-decode"][2]  # what explain() reports
+        assert noted == (chose is not None)

@@ -344,7 +344,9 @@ def test_decode_case_that_aten_wins_on_gpu_weighs_host_time(monkeypatch):
 
     cfg, timings = decide(0.012)  # 0.015 + 0.025 < 0.012 + 0.060
     assert cfg == fast
-    assert timings[-2:] == [["aten", 0.06, "host time per call"], [fast, 0.025, "host time per call"]]
+    assert timings[-3:-1] == [["aten", 0.06, "host time per call"], [fast, 0.025, "host time per call"]]
+    assert timings[-1][0] == "decided by" and "40.0 against ATen's 72.0 us" in timings[-1][2]  # the report's note
     host["cfg"] = 0.058  # the config's host cost eats its lead: 0.015 + 0.058 > 0.012 + 0.060
-    assert decide(0.012)[0] is None
+    cfg, timings = decide(0.012)
+    assert cfg is None and timings[-1][0] != "decided by"
     assert tg._with_host_time(0.012, lambda: "aten", lambda cfg: None, [["aten", 0.012, ""]]) is None  # nothing built
