@@ -16,8 +16,9 @@ tiles and GPU time alone; give such a process its own XACCEL_CACHE_DIR). Run on 
         [--direct-only] [--graphed] [--profile N]
 
 --graphed adds each path captured in a CUDA graph (replays: GPU time, no host cost). Each row also
-gives the process's CPU time per token: the host is shared and its wall times spread (the anchor
-3.3-5.9 ms between calls), the CPU time a path spends is steadier.
+gives the process's CPU time per token while it queues the calls. In the eighteenth session it
+equalled the wall time: the host ran busy throughout, at a speed that varied up to 2x (the anchor
+3.5-6.8 ms a token in one process), so only paths timed in one process compare.
 """
 from __future__ import annotations
 

@@ -277,7 +277,7 @@ def _with_host_time(aten_ms: float, reference_fn, steady, timings: list) -> tupl
     timings += [["aten", round(aten_host, 5), "host time per call"], [cfg, round(cfg_host, 5), "host time per call"]]
     if cfg_ms + cfg_host >= aten_ms + aten_host:
         return None
-    timings.append(["decided by", None, f"; chosen on GPU + host time per call, {(cfg_ms + cfg_host) * 1e3:.1f} against "
+    timings.append(["decided by", None, f"chosen on GPU + host time per call, {(cfg_ms + cfg_host) * 1e3:.1f} against "
                                         f"ATen's {(aten_ms + aten_host) * 1e3:.1f} us (on the GPU alone ATen is faster, "
                                         f"{aten_ms * 1e3:.1f} against {cfg_ms * 1e3:.1f} us)"])
     return cfg
@@ -399,7 +399,7 @@ def choose(case: _Case, reference_fn, make_case, steady=None) -> tuple[tuple | N
     pending = [tuple(c) for c in entry.get("pending") or ()]
     for c in pending:
         cutlass_gemm.start_build(*case.cutlass_source(c))  # no-op when built, failed or building elsewhere
-    note = next((why for cfg, _, why in entry.get("timings") or () if cfg == "decided by"), "")
+    note = next(("; " + why for cfg, _, why in entry.get("timings") or () if cfg == "decided by"), "")
     return (tuple(entry["config"]) if entry["config"] else None), pending, note
 
 
@@ -628,8 +628,8 @@ def provider(key, a, bs, operands, epilogue, b_transposed):
     case = _Case(a, bs, operands, epilogue, b_transposed)
     if cfg == "unset":
         cfg, pending, note = choose(case, lambda: aten_composition(a, bs, operands, epilogue, b_transposed),
-                              lambda: _Case(a, bs, operands, epilogue, b_transposed),
-                              lambda c: _steady_call(c, a, bs, operands, epilogue, b_transposed))
+                                    lambda: _Case(a, bs, operands, epilogue, b_transposed),
+                                    lambda c: _steady_call(c, a, bs, operands, epilogue, b_transposed))
         _DECISIONS[key] = cfg
         if pending:
             _PENDING[key] = (time.monotonic() + POLL_S, [case.cutlass_source(c) for c in pending])

@@ -78,8 +78,11 @@ def test_bench_tuning_report_lists_this_runs_decisions():
     since = time.time() - 1
     cache.write_entry("tuning", "mlstm_fwd|bf16|torchX", {"config": {"L": 64}, "timings": [[{"L": 64}, 1.5, ""],
                                                                                           [{"L": 128}, None, "OOR"]]})
+    cache.write_entry("tuning", "gemm_epilogue|k|M~16|torchX", {"config": ["ptr", 16], "timings": [
+        ["aten", 0.012, "GPU time"], [["ptr", 16], 0.015, ""], ["decided by", None, "chosen on GPU + host time per call"]]})
     report = tuning_report(since)
     assert "`mlstm_fwd|bf16` -> {'L': 64}" in report and "1.5 ms" in report and "skipped" in report
+    assert "  - chosen on GPU + host time per call" in report.splitlines()  # a note, not a skipped config
     assert tuning_report(time.time() + 10) == ""
 
 

@@ -611,7 +611,7 @@ def tuning_report(since: float) -> str:
         try:
             data = json.loads(path.read_text())
             key, value = data["key"], data["value"]
-            rows = [f"  - {ms if ms is not None else 'skipped'} ms  {cfg}  {why}".rstrip()
+            rows = [f"  - {why}" if cfg == "decided by" else f"  - {ms if ms is not None else 'skipped'} ms  {cfg}  {why}".rstrip()
                     for cfg, ms, why in value.get("timings", [])]
             lines += [f"- `{key.split('|torch')[0]}` -> {value.get('config')}", *rows]
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
