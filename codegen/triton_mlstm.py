@@ -577,8 +577,6 @@ def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=
     if not _supported(q, k, v, S, "bwd") or dh is None and gC is None:
         return NotImplemented
     dev, f32 = q.device, torch.float32
-    if q.dtype == torch.float16 and gC is not None and not _fp16_state_gradient_fits(gC, i, f, m0):
-        return NotImplemented  # the reference runs it (fp32 state math)
     q, k, v, i, f = (_strided(t) for t in (q, k, v, i, f))
     if h is None:
         h = forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size)[0]
@@ -591,27 +589,6 @@ def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=
     cfg = _tuned("bwd", q, v, lambda c: _backward(c, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept),
                  kept=kept is not None)
     return _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept)
-
-
-FP16_STATE_GRAD_LIMIT = 1e4  # of 65504: the dh terms the scan adds on top stay far below the rest
-
-
-def _fp16_state_gradient_fits(gC, i, f, m0) -> bool:
-    """The state-gradient scan carries the true-state gradient, which starts at gC * exp(-m_T)
-    and is stored per chunk in the input dtype. With very negative input gates m_T is very
-    negative (e.g. -12: a factor 1.6e5), which overflows fp16 (bf16 has fp32's range): NaN
-    gradients. In fp16 with a final-state gradient, check that bound on the host (one sync, only
-    on this path; m_T from the gates in torch) and let the reference take the case when it does
-    not fit; inside a CUDA-graph capture, where no sync is allowed, always the reference."""
-    if gC.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False
-    import torch.nn.functional as F
-
-    Fc = F.logsigmoid(f.float()).cumsum(-1)
-    m_T = (i.float() - Fc).amax(-1) + Fc[..., -1]  # the recurrent stabilizer after the last step
-    if m0 is not None:
-        m_T = torch.maximum(m_T, m0.float() + Fc[..., -1])
-    return bool((gC.float().abs().amax((-1, -2)) * torch.exp(-m_T)).max() <= FP16_STATE_GRAD_LIMIT)
 
 
 def _kept_states(chunk_states, q, v, chunk_size):
@@ -690,7 +667,7 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     else:
         (Cs, ns, ms), (CT, nT, mT) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
     N, dden, dm = (torch.empty(B, H, S, device=dev, dtype=f32) for _ in range(3))
-    # the scan's row factors r/N, r dden [B, H, S] and chunk factor exp(g) [B*H*NC]
+    # the scan's row factors r/N, r dden [B, H, S] and each chunk's log forget product g [B*H*NC]
     factors = [torch.empty(n, device=dev, dtype=f32) for n in (B * H * S, B * H * S, B * H * NC)] \
         if SCAN_ROW_FACTORS else []
     saved = (rows,) if rows is not None else ()
@@ -706,6 +683,8 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, row_factors=SCAN_ROW_FACTORS),
         (B * H, DK // BK, DV // BVS), q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0,
         *factors, *_rows(q, dh, i, f), S, NC, NT, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=_scan_warps(cfg), num_stages=stages)
+    # the stabilizer of the state leaving each chunk, which scales its gradient in dCs, dns
+    me = torch.cat((ms.view(B * H, NC)[:, 1:], mT.reshape(B * H, 1).float()), 1).contiguous()
     # in the layout the op's fake promises (ops/mlstm.gradient_strides: a dense transposed view's own)
     dq, dk, dv = (gradient_like(t) for t in (q, k, v))
     dg = dg.sum(-1)  # <C, dC> at each chunk's end
@@ -713,13 +692,13 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     rs = torch.empty(B * H * (DK // DKS if DKS else 1) * 2 * S, device=dev, dtype=f32)
     if DVS:
         _launch(_kernel("mlstm_bwd_dv.py.jinja", q.dtype), (B * H, NC, DV // DVS),
-            q, k, v, i, f, dh, ms, dCs, N, dv,
+            q, k, v, i, f, dh, ms, me, dCs, N, dv,
             *_rows(q, k, v, i, f, dh, dv), S, NC, DK ** -0.5, DK=DK, DV=DV, BV=DVS, L=L, num_warps=warps, num_stages=stages)
     if DKS:  # dS scratch: L/DK of q's size (128 MiB at B8 NH16 S8192 128/128)
         dS = torch.empty(B * H * NC * L * L, device=dev, dtype=q.dtype)
         wu = torch.empty(B * H * NC * 2 * L, device=dev, dtype=f32)
         _launch(_kernel("mlstm_bwd_ds.py.jinja", q.dtype, split_dv=bool(DVS)), (B * H, NC),
-            q, k, v, i, f, dh, ms, dCs, N, dden, dS, wu, dv, *_rows(q, k, v, i, f, dh, *(() if DVS else (dv,))),
+            q, k, v, i, f, dh, ms, me, dCs, N, dden, dS, wu, dv, *_rows(q, k, v, i, f, dh, *(() if DVS else (dv,))),
             S, NC, DK ** -0.5, DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
         _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype), (B * H, NC, DK // DKS),
             q, k, v, dh, Cs, ns, dCs, dns, N, dden, dS, wu, dq, dk, rs,
@@ -727,7 +706,7 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
             DK=DK, DV=DV, BK=DKS, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     else:
         _launch(_kernel("mlstm_bwd.py.jinja", q.dtype, split_dv=bool(DVS)), (B * H, NC),
-            q, k, v, i, f, dh, Cs, ns, ms, dCs, dns, N, dden, dq, dk, dv, rs,
+            q, k, v, i, f, dh, Cs, ns, ms, me, dCs, dns, N, dden, dq, dk, dv, rs,
             *_rows(q, k, v, i, f, dh, dq, dk, *(() if DVS else (dv,))), S, NC, DK ** -0.5,
             DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     m0s = m0.float() if C0 is not None else None
@@ -740,10 +719,9 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
         r_di, r_dlogf, r_dm0 = _route_max_grad(dm, i32, F.logsigmoid(f32_).cumsum(-1), m0s)
         di_out, df_out = (di + r_di).to(i.dtype), ((dlogf + r_dlogf) * torch.sigmoid(-f32_)).to(f.dtype)
     grads = [dq, dk, dv, di_out, df_out]
-    if C0 is not None:
-        e0 = torch.exp(m0s)
-        grads += [(dC0 * e0[..., None, None]).to(C0.dtype), (dn0 * e0[..., None]).to(n0.dtype),
-                  (e0 * ((dC0 * C0.float()).sum((-1, -2)) + (dn0 * n0.float()).sum(-1)) + r_dm0).to(m0.dtype)]
+    if C0 is not None:  # dC0, dn0: stabilized by m0, as C0 and n0 are
+        grads += [dC0.to(C0.dtype), dn0.to(n0.dtype),
+                  ((dC0 * C0.float()).sum((-1, -2)) + (dn0 * n0.float()).sum(-1) + r_dm0).to(m0.dtype)]
     else:
         grads += [None, None, None]
     return grads

@@ -297,27 +297,31 @@ FP16_SCRIPT = textwrap.dedent("""
     torch.manual_seed(0)
     B, H, S, DK, DV = 1, 2, 37, 16, 16
     bad = 0
-    for shift, kernels in ((0.0, True), (-12.0, False)):
+    for shift in (0.0, -12.0, -40.0):
         x = [torch.randn(B, H, S, DK).half(), torch.randn(B, H, S, DK).half(), torch.randn(B, H, S, DV).half(),
              torch.randn(B, H, S) + shift, torch.randn(B, H, S) + 2]
         cots = [torch.randn(B, H, S, DV).half(), torch.randn(B, H, DK, DV), torch.randn(B, H, DK), torch.randn(B, H)]
-        ran = triton_mlstm.backward(None, *cots, *x, None, None, None, 1e-6, 64) is not NotImplemented
-        got = torch.ops.xaccel.mlstm_backward(*cots, *x, None, None, None, 1e-6, 64, None, [])
+        got = triton_mlstm.backward(None, *cots, *x, None, None, None, 1e-6, 64)
+        ran = got is not NotImplemented
+        got = got if ran else [torch.full_like(t, float("nan")) for t in x]
         want = analytic(*(c.double() for c in cots), *(t.double() for t in x))
-        errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want)]
+        # a gradient fp16 cannot hold (dq at -40: ~e^-40) need only be finite
+        errs = [((g.double() - w).norm() / w.norm()).item() if w.abs().max() > 1e-3 else 0.0 * g.double().sum().item()
+                for g, w in zip(got, want) if w is not None]
         print(shift, ran, " ".join(f"{e:.1e}" for e in errs))
-        bad += ran != kernels or not all(e <= 5e-2 for e in errs)  # NaN fails too
+        bad += not ran or not all(e <= 5e-2 for e in errs)  # NaN fails too
     raise SystemExit(bad)
 """)
 
 
-def test_fp16_backward_with_a_huge_state_gradient_runs_the_reference(tmp_path):
-    """In fp16 the scan's true-state gradient, gC * exp(-m_T), overflows with very negative input
-    gates (m_T about -12: NaN gradients from the kernels). The kernels decline that case and the
-    reference (fp32 state math) takes it: finite gradients within fp16 accuracy; ordinary gates
-    still run the kernels."""
+def test_fp16_backward_with_very_negative_input_gates_runs_the_kernels(tmp_path):
+    """With very negative input gates (m_T about -12 and -40) the true-state gradient gC * exp(-m_T)
+    is far past fp16's range (NaN gradients when the scan carried and stored it, and the kernels
+    used to decline such cases to the reference). The scan carries it stabilized (gC itself at the
+    end): the kernels run, finite, and within fp16 accuracy of fp64 wherever fp16 can hold the
+    gradient."""
     out = interpret(FP16_SCRIPT, tmp_path)
-    assert out.count("\n") == 2, out
+    assert out.count("\n") == 3, out
 
 
 ROUTE_SCRIPT = textwrap.dedent("""
@@ -408,6 +412,50 @@ FAST_DECAY_SCRIPT = textwrap.dedent("""
     got = triton_mlstm._backward(cfg, cots[0], *cots[1:], *x, None, None, None, 1e-6, h)
     print(" ".join(f"{((g.double() - w).norm() / w.norm()).item():.3e}" for g, w in zip(got[:5], want[:5])))
 """)
+
+
+LARGE_GATES_SCRIPT = textwrap.dedent("""
+    import os, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    from torch_xaccel.codegen import triton_mlstm
+    from torch_xaccel.ops.mlstm_backward import backward as analytic
+    torch.manual_seed(0)
+    B, H, S, DK, DV = 1, 2, 150, 32, 16
+    bad = 0
+    for shift, with_state in ((95.0, False), (95.0, True), (-95.0, True)):
+        x = [torch.randn(B, H, S, DK), torch.randn(B, H, S, DK), torch.randn(B, H, S, DV),
+             torch.randn(B, H, S) + shift, torch.randn(B, H, S) + 2]
+        st = [torch.randn(B, H, DK, DV), torch.randn(B, H, DK), torch.randn(B, H) + shift] if with_state else [None] * 3
+        cots = [torch.randn(B, H, S, DV), torch.randn(B, H, DK, DV), torch.randn(B, H, DK), torch.randn(B, H)]
+        want = analytic(*(c.double() for c in cots), *(t.double() for t in x),
+                        *(t.double() if t is not None else None for t in st), chunk_size=64)
+        ref32 = analytic(*cots, *x, *st, chunk_size=64)  # the op's own fp32 reference: the accuracy to match
+        floor = [((g.double() - w).norm() / w.norm()).item() if w.norm() > 1e-30 else 0.0
+                 for g, w in zip(ref32, want) if w is not None]
+        h = triton_mlstm.forward(None, *x, *st, 1e-6, 64)[0]
+        for split, row_factors in ((False, True), (True, True), (True, False)):
+            triton_mlstm.SCAN_ROW_FACTORS = row_factors
+            cfg = triton_mlstm._fit(triton_mlstm.SPLIT2 if split else dict(L=64, BV=32, BK=32, BVS=16, warps=4, stages=2), DK, DV)
+            got = triton_mlstm._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, h)
+            # gradients the fp64 reference puts below fp32's range (q, k, v at i ~ -95: ~e^-95) only need to be finite
+            errs = [((g.double() - w).norm() / w.norm()).item() if w.norm() > 1e-30 else 0.0
+                    for g, w in zip(got, want) if w is not None]
+            finite = all(bool(torch.isfinite(g).all()) for g in got if g is not None)
+            print(shift, with_state, split, row_factors, finite, " ".join(f"{e:.1e}/{r:.1e}" for e, r in zip(errs, floor)))
+            bad += not finite or not all(e <= max(2 * r, 1e-5) for e, r in zip(errs, floor))
+    raise SystemExit(bad)
+""")
+
+
+def test_backward_with_input_gates_near_fp32_exp_range_is_finite_and_accurate(tmp_path):
+    """Input gates around +-95 in fp32: the states are ~e^95 and their true gradients ~e^-95, past
+    fp32's range (exp overflows from 88.7). The backward carries the state gradient stabilized, so
+    every kernel variant (combined and split, the scan's row factors precomputed or not) stays
+    finite and as close to the fp64 reference as the op's fp32 reference backward is (within 2x;
+    at +95 3.0-3.8e-4 against its 2.4-3.8e-4, with a state 0.6-2.5e-3 against 0.6-2.4e-3: fp32's
+    rounding of such exponents); carried as the true-state gradient, both gave NaN."""
+    out = interpret(LARGE_GATES_SCRIPT, tmp_path, timeout=900)
+    assert out.count("True") >= 9, out  # nine runs, each finite
 
 
 @pytest.mark.parametrize("fmean,split", [(0.0, True), (-2.0, True), (-2.0, False)])

@@ -6,8 +6,11 @@ All stabilizers cancel in exact arithmetic except through eps: with unstabilized
 So the gradient is (a) the gradient with every stabilizer held fixed, plus (b) the eps term
 dm_t = -(dh_t . h_t) * eps / N_t routed to the argmax that defines m_t (and the final-state m's
 own gradient routed the same way). (a) is gated linear attention with v augmented by a column of
-ones (the normalizer); the state gradient is carried unstabilized (true-state gradient), whose
-recurrence factors exp(g) <= 1 keep it bounded.
+ones (the normalizer). The state gradient is carried stabilized: the true-state gradient times
+exp(m) of the state it belongs to. True states are ~exp(m) and their gradients ~exp(-m), so in fp32
+the true-state gradient underflows from |m| ~ 88 while the factors meeting it (exp(g - b + i))
+overflow: inf * 0 = NaN gradients for input gates near +-88 and beyond. Stabilized, every factor
+is exp of a difference bounded by the forward's stabilizers (<= 1).
 """
 from __future__ import annotations
 
@@ -89,10 +92,10 @@ def backward(dh, dC_out, dn_out, dm_out, q, k, v, i, f, C0=None, n0=None, m0=Non
         n = decay[..., None] * n + (kc * u[..., None]).sum(-2)
         m = m_new
     C_T, n_T, m_T = C, n, m
-    # true-state gradient entering from the final-state outputs
-    eT = torch.exp(-m_T)
-    dC = (dC_out.to(cd) if dC_out is not None else torch.zeros_like(C_T)) * eT[..., None, None]
-    dn = (dn_out.to(cd) if dn_out is not None else torch.zeros_like(n_T)) * eT[..., None]
+    # the final-state outputs' gradient: already stabilized (the outputs are C_T, n_T, stabilized by m_T)
+    dC = dC_out.to(cd) if dC_out is not None else torch.zeros_like(C_T)
+    dn = dn_out.to(cd) if dn_out is not None else torch.zeros_like(n_T)
+    m_end = m_T  # the stabilizer of the state dC, dn belong to: the one leaving the chunk below
     dmT = (dm_out.to(cd) if dm_out is not None else torch.zeros_like(m_T))
     if dC_out is not None:
         dmT = dmT - (dC_out.to(cd) * C_T).sum((-1, -2))
@@ -121,22 +124,25 @@ def backward(dh, dC_out, dn_out, dm_out, q, k, v, i, f, C0=None, n0=None, m0=Non
         dlogw = w * ((dnum * (qc @ C)).sum(-1) + dden * (qc @ n[..., None]).squeeze(-1))
         db = dlogD.sum(-1) - dlogD.sum(-2) + dlogw
         di_c = dlogD.sum(-2)
-        # this chunk's writes into the next state: C_true' = e^g C_true + sum_s e^{g - b_s + i_s} k_s v_s^T
+        # this chunk's writes into the next state: C_true' = e^g C_true + sum_s e^{g - b_s + i_s} k_s v_s^T,
+        # met by the stabilized gradient of that state (u <= 1: m_end >= g - b_s + i_s)
         g = b[..., -1]
-        u = torch.exp(g[..., None] - b + ic)
+        u = torch.exp(g[..., None] - b + ic - m_end[..., None])
         kdC = kc @ dC                                               # [L, DV]
         dk_c = dk_c + u[..., None] * (vc @ dC.transpose(-1, -2) + dn[..., None, :])
         dv_c = dv_c + u[..., None] * kdC
         dlogu = u * ((kdC * vc).sum(-1) + (kc * dn[..., None, :]).sum(-1))
         di_c = di_c + dlogu
         db = db - dlogu
-        eg = torch.exp(g)
-        em = torch.exp(g + m)                                       # e^g * e^{m_c}: reads C_true_c
-        dg = dlogu.sum(-1) + em * ((dC * C).sum((-1, -2)) + (dn * n).sum(-1))
-        # true-state gradient before this chunk: from the carry and from this chunk's reads
-        r = torch.exp(b - m_t)
-        dC = eg[..., None, None] * dC + (qc * (r * 1)[..., None]).transpose(-1, -2) @ dnum
-        dn = eg[..., None] * dn + ((qc * r[..., None]) * dden[..., None]).sum(-2)
+        carry = torch.exp(g + m - m_end)                            # e^g from state to state, rescaled: <= 1
+        dg = dlogu.sum(-1) + carry * ((dC * C).sum((-1, -2)) + (dn * n).sum(-1))
+        # the stabilized gradient of the state entering this chunk: the carry and this chunk's reads
+        # (r = e^{b - m_t} rescaled by e^{m}: <= 1). Without an initial state the first chunk's m is
+        # -inf: its entering gradient comes out 0 and is not used.
+        r = torch.exp(b - m_t + m[..., None])
+        dC = carry[..., None, None] * dC + (qc * r[..., None]).transpose(-1, -2) @ dnum
+        dn = carry[..., None] * dn + ((qc * r[..., None]) * dden[..., None]).sum(-2)
+        m_end = m
         dlogf[:, :, c:c + L] = db.flip(-1).cumsum(-1).flip(-1) + dg[..., None]
         dq[:, :, c:c + L], dk[:, :, c:c + L], dv[:, :, c:c + L], di[:, :, c:c + L] = dq_c, dk_c, dv_c, di_c
     dq, dk, dv, di, dlogf, dm_pos = (t[:, :, :S] for t in (dq, dk, dv, di, dlogf, dm_pos))
@@ -148,11 +154,9 @@ def backward(dh, dC_out, dn_out, dm_out, q, k, v, i, f, C0=None, n0=None, m0=Non
     dlogf = dlogf + r_dlogf
     df = dlogf * torch.sigmoid(-f)
     grads = [dq.to(dtypes[0]), (dk * scale).to(dtypes[1]), dv.to(dtypes[2]), di.to(dtypes[3]), df.to(dtypes[4])]
-    if has_state:
-        e0 = torch.exp(m0.to(cd))
-        dC0 = dC * e0[..., None, None]
-        dn0 = dn * e0[..., None]
-        dm0 = e0 * ((dC * C0.to(cd)).sum((-1, -2)) + (dn * n0.to(cd)).sum(-1)) + r_dm0
+    if has_state:  # dC, dn: stabilized by m0, the inputs' own convention
+        dC0, dn0 = dC, dn
+        dm0 = (dC * C0.to(cd)).sum((-1, -2)) + (dn * n0.to(cd)).sum(-1) + r_dm0
         grads += [dC0.to(C0.dtype), dn0.to(n0.dtype), dm0.to(m0.dtype)]
     else:
         grads += [None, None, None]
