@@ -367,7 +367,7 @@ CHUNK_SCAN_FACTORS = True
 # max in every tile at every sequential step (False: the old scan, for mlstm_sweep.py --scan-ab)
 
 SCAN_ROW_FACTORS = True
-# the reverse state-gradient scan reads r/N and r dden per row and exp(g), exp(g + m) per chunk,
+# the reverse state-gradient scan reads r/N and r dden per row and g per chunk,
 # written by mlstm_bwd_rows, instead of recomputing the gates' logsigmoid, cumsum and the [L, L]
 # stabilizer max on its sequential path in every tile (False: the old scan, for the A/B in
 # benchmarks/mlstm_sweep.py --scan-ab)
