@@ -17,49 +17,35 @@ import torch
 aten = torch.ops.aten
 ENABLED = True  # False: only the xaccel ops go direct (the A/B of the host time FAST_CALLS saves)
 
+
+def _same_name(overload: str, *names: str) -> dict:
+    """aten.<name>.<overload> -> torch.<name>, no keyword arguments."""
+    return {getattr(getattr(aten, name), overload): (getattr(torch, name), set()) for name in names}
+
+
 # OpOverload -> (the torch function that binds to it with the same positional arguments,
 #                the keyword arguments it accepts under the same names)
 FAST_CALLS = {
+    **_same_name("default", "neg", "exp", "log", "log1p", "sqrt", "rsqrt", "abs", "tanh", "sigmoid", "maximum",
+                 "minimum", "matmul", "mm", "bmm", "embedding", "reshape", "permute", "t", "unsqueeze", "cat"),
+    **_same_name("Tensor", "mul", "div"),
+    **_same_name("int", "transpose", "select"),
+    aten.squeeze.dim: (torch.squeeze, set()),
+    aten.pow.Tensor_Scalar: (torch.pow, set()),
+    aten.where.self: (torch.where, set()),
+    aten.var.dim: (torch.var, set()),
     aten.add.Tensor: (torch.add, {"alpha"}),
     aten.sub.Tensor: (torch.sub, {"alpha"}),
-    aten.mul.Tensor: (torch.mul, set()),
-    aten.div.Tensor: (torch.div, set()),
-    aten.neg.default: (torch.neg, set()),
-    aten.pow.Tensor_Scalar: (torch.pow, set()),
-    aten.exp.default: (torch.exp, set()),
-    aten.log.default: (torch.log, set()),
-    aten.log1p.default: (torch.log1p, set()),
-    aten.sqrt.default: (torch.sqrt, set()),
-    aten.rsqrt.default: (torch.rsqrt, set()),
-    aten.abs.default: (torch.abs, set()),
-    aten.tanh.default: (torch.tanh, set()),
-    aten.sigmoid.default: (torch.sigmoid, set()),
-    aten.silu.default: (torch._C._nn.silu, set()),
-    aten.maximum.default: (torch.maximum, set()),
-    aten.minimum.default: (torch.minimum, set()),
-    aten.where.self: (torch.where, set()),
     aten.mean.dim: (torch.mean, {"dtype"}),
     aten.sum.dim_IntList: (torch.sum, {"dtype"}),
-    aten.var.dim: (torch.var, set()),
-    aten.linear.default: (torch._C._nn.linear, set()),
-    aten.matmul.default: (torch.matmul, set()),
-    aten.mm.default: (torch.mm, set()),
-    aten.bmm.default: (torch.bmm, set()),
     aten.addmm.default: (torch.addmm, {"beta", "alpha"}),
-    aten.embedding.default: (torch.embedding, set()),
+    aten.clone.default: (torch.clone, {"memory_format"}),
+    aten.silu.default: (torch._C._nn.silu, set()),
+    aten.linear.default: (torch._C._nn.linear, set()),
     aten.to.dtype: (torch.Tensor.to, {"non_blocking", "copy", "memory_format"}),
     aten.copy_.default: (torch.Tensor.copy_, {"non_blocking"}),
-    aten.clone.default: (torch.clone, {"memory_format"}),
-    aten.reshape.default: (torch.reshape, set()),
     aten.view.default: (torch.Tensor.view, set()),
-    aten.transpose.int: (torch.transpose, set()),
-    aten.permute.default: (torch.permute, set()),
-    aten.t.default: (torch.t, set()),
-    aten.squeeze.dim: (torch.squeeze, set()),
-    aten.unsqueeze.default: (torch.unsqueeze, set()),
     aten.expand.default: (torch.Tensor.expand, set()),
-    aten.select.int: (torch.select, set()),
-    aten.cat.default: (torch.cat, set()),
     aten.contiguous.default: (torch.Tensor.contiguous, {"memory_format"}),
 }
 
