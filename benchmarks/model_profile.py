@@ -2,14 +2,15 @@
 configuration compiled with backend="xaccel"), prefill and one train step (mode train-loss: the
 loss compiled with the model) under the torch profiler, CUDA kernels grouped by kind. Run on the GPU machine:
 
-    XACCEL_TUNE=0 python benchmarks/model_profile.py [--fallback eager|inductor] [--modes prefill,train,train-loss] [--ops]
+    XACCEL_TUNE=0 python benchmarks/model_profile.py [--fallback eager|inductor] [--modes prefill,train,train-loss] [--ops] [--gaps]
     python benchmarks/model_profile.py --gemm-floor
 
 XACCEL_TUNE=0 skips first-call tuning (default configs) so the run spends its time profiling, but
 then the GEMMs are not the ones a tuned run picks. --gemm-floor times cuBLAS alone on every
 nn.Linear of the model at its shape (forward; forward + input and weight gradients), beside the
 anchor's prefill and train step in the same process: the time no backend that uses cuBLAS-class
-GEMMs can go below."""
+GEMMs can go below. --gaps lists where the GPU sat idle between kernels in one step (wall time
+that no kernel accounts for) and what the host was doing then."""
 from __future__ import annotations
 
 import argparse
@@ -117,7 +118,64 @@ def copy_sources(run, top: int) -> None:
               f"\n        {' <- '.join(frames)[:300]}", flush=True)
 
 
-def profile(mode: str, top: int, ops: bool = False) -> None:
+SYNCS = ("Synchronize", "cudaMemcpy", "cuMemcpy", "cudaFree", "cudaMalloc", "cuMemAlloc", "cuMemFree")
+
+
+def idle_gaps(run, top: int, min_us: float = 10.0) -> None:
+    """--gaps: the GPU's idle time between kernels over one step, from the profiler's trace. A gap
+    whose next kernel was launched after the previous one ended is the host's (a sync, or Python
+    slower than the GPU); the host calls that may block (syncs, blocking copies, allocations) are
+    counted, and the CPU ops under way at the largest gaps named."""
+    import json
+    import tempfile
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        run()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as fh:
+        p.export_chrome_trace(fh.name)
+        events = json.load(open(fh.name))["traceEvents"]
+    report_gaps(events, top, min_us)
+
+
+def report_gaps(events: list, top: int, min_us: float) -> None:
+    """idle_gaps' analysis of a Chrome trace's events (kineto's categories and fields)."""
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    host = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    launch = {e["args"].get("correlation"): e for e in host if "args" in e}
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    if not gpu:
+        print("  gaps: no GPU events in the trace", flush=True)
+        return
+    span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]
+    gaps, busy_until = [], gpu[0]["ts"]
+    for prev, nxt in zip(gpu, gpu[1:]):
+        busy_until = max(busy_until, prev["ts"] + prev["dur"])
+        idle = nxt["ts"] - busy_until
+        if idle >= min_us:
+            issued = launch.get(nxt.get("args", {}).get("correlation"), {}).get("ts")
+            gaps.append((idle, busy_until, issued, prev["name"], nxt["name"]))
+    blocking = defaultdict(lambda: [0, 0.0])
+    for e in host:
+        if any(s in e["name"] for s in SYNCS) and "Async" not in e["name"]:
+            blocking[e["name"]][0] += 1
+            blocking[e["name"]][1] += e["dur"] / 1e3
+    print(f"  gaps: GPU span {span / 1e3:.2f} ms, idle {sum(g[0] for g in gaps) / 1e3:.2f} ms in {len(gaps)} gaps "
+          f">= {min_us:.0f} us; host-late launches {sum(g[0] for g in gaps if g[2] and g[2] > g[1]) / 1e3:.2f} ms",
+          flush=True)
+    for name, (n, ms) in sorted(blocking.items(), key=lambda kv: -kv[1][1]):
+        print(f"    host call {name}: x{n}, {ms:.3f} ms", flush=True)
+    for idle, start, issued, before, after in sorted(gaps, reverse=True)[:top]:
+        end = start + idle
+        during = sorted((e for e in ops if e["ts"] < end and e["ts"] + e["dur"] > start and e["dur"] < 20 * idle),
+                        key=lambda e: -(min(end, e["ts"] + e["dur"]) - max(start, e["ts"])))
+        late = f"launched {issued - start:.0f} us after the GPU went idle" if issued and issued > start else "launched in time"
+        print(f"    {idle:8.1f} us idle, {late}: {before[:50]} -> {after[:50]}"
+              f"\n        host meanwhile: {', '.join(e['name'] for e in during[:4])[:200]}", flush=True)
+
+
+def profile(mode: str, top: int, ops: bool = False, gaps: bool = False) -> None:
     import torch._dynamo
     from torch.profiler import ProfilerActivity, profile as prof
 
@@ -155,6 +213,8 @@ def profile(mode: str, top: int, ops: bool = False) -> None:
         print(f"    {e.device_time_total / 3 / 1e3:7.3f} ms  x{e.count // 3:<4d} {e.key[:100]}", flush=True)
     if ops:
         copy_sources(run, top)
+    if gaps:
+        idle_gaps(run, top)
 
 
 def main() -> None:
@@ -163,6 +223,8 @@ def main() -> None:
     ap.add_argument("--modes", default="prefill,train")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--ops", action="store_true", help="also the copy-like ATen ops with shapes and callers")
+    ap.add_argument("--gaps", action="store_true", help="also the GPU's idle gaps in one step and the host's part in them")
+    ap.add_argument("--tuning", action="store_true", help="also the tuning decisions made in this run")
     ap.add_argument("--gemm-floor", action="store_true", help="cuBLAS alone on the model's GEMMs, and the anchor")
     args = ap.parse_args()
     if args.gemm_floor:
@@ -173,11 +235,15 @@ def main() -> None:
     import torch_xaccel  # noqa: F401 - registers the backend and the library substitutions
 
     torch._dynamo.config.cache_size_limit = 64
+    since = time.time()
     for mode in args.modes.split(","):
         try:
-            profile(mode, args.top, args.ops)
+            profile(mode, args.top, args.ops, args.gaps)
         except Exception as e:  # noqa: BLE001 - report and go on to the next mode
             print(f"{mode}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    if args.tuning:
+        from torch_xaccel.bench import tuning_report
+        print(tuning_report(since), flush=True)
 
 
 if __name__ == "__main__":
