@@ -33,6 +33,13 @@ class Case:
     rows: list = field(default_factory=list)
 
 
+# do_bench's warmup and rep are milliseconds, not calls. The earlier 10 / 50 ms (train) and 25 / 100
+# ms timed one call of a 90-130 ms model train step (a "median" of one) and 3 of a prefill. Now:
+# >= 2 warm-up and >= 7 timed calls of a 130 ms step, >= 10 of a 27 ms prefill.
+BENCH_WARMUP_MS = {True: 300, False: 50}
+BENCH_REP_MS = {True: 1000, False: 300}
+
+
 def _bench(fn, train: bool, grad_to_none=None) -> float:
     if not torch.cuda.is_available():  # CPU smoke runs (`model --quick`): the code path, not a timing
         fn()
@@ -41,8 +48,9 @@ def _bench(fn, train: bool, grad_to_none=None) -> float:
         return (time.perf_counter() - t0) * 1e3
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=10 if train else 25, rep=50 if train else 100, return_mode="median",
+    return triton.testing.do_bench(fn, warmup=BENCH_WARMUP_MS[train], rep=BENCH_REP_MS[train], return_mode="median",
                                    grad_to_none=grad_to_none)
+
 
 
 HEAT_S = 2.0
