@@ -41,15 +41,26 @@ BENCH_REP_MS = {True: 1000, False: 300}
 
 
 def _bench(fn, train: bool, grad_to_none=None) -> float:
+    """Median ms per call of fn (triton.testing.do_bench, L2 flushed before each call)."""
+    return _bench_calls(fn, train, grad_to_none)[0]
+
+
+def _bench_calls(fn, train: bool, grad_to_none=None) -> tuple[float, list]:
+    """(median, every timed call's ms): the model rows print the spread beside the median."""
     if not torch.cuda.is_available():  # CPU smoke runs (`model --quick`): the code path, not a timing
         fn()
         t0 = time.perf_counter()
         fn()
-        return (time.perf_counter() - t0) * 1e3
+        ms = (time.perf_counter() - t0) * 1e3
+        return ms, [ms]
+    import statistics
+
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=BENCH_WARMUP_MS[train], rep=BENCH_REP_MS[train], return_mode="median",
-                                   grad_to_none=grad_to_none)
+    calls = triton.testing.do_bench(fn, warmup=BENCH_WARMUP_MS[train], rep=BENCH_REP_MS[train], return_mode="all",
+                                    grad_to_none=grad_to_none)
+    calls = list(calls) if isinstance(calls, (list, tuple)) else [float(calls)]
+    return statistics.median(calls), calls
 
 
 
@@ -402,7 +413,8 @@ def _model_config_rows(name, kernels, dims, dev, tokens, add, compile_kwargs) ->
             extra = f"first call {first:.1f}s"
             if "xaccel" in name:
                 extra += _settle_cutlass(run)
-            add(f"{name}, {label}", _bench(run, True), extra)
+            ms, calls = _bench_calls(run, True)
+            add(f"{name}, {label}", ms, f"{extra}; {len(calls)} timed calls, {min(calls):.1f}-{max(calls):.1f} ms")
         except Exception as e:  # noqa: BLE001 - a configuration that fails is a finding
             print(f"  {name}, {label}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
         _empty_cache()
