@@ -73,8 +73,8 @@ class Report:
         left = sum(g.eager_pointwise for g in self.graphs if g.fallback_backend == "eager")
         if left >= POINTWISE_HINT:
             lines.append(f"  hint: {left} pointwise ops outside the replaced patterns run eagerly, one kernel each; "
-                         "XACCEL_FALLBACK=inductor fuses them (7B-width xLSTMLarge on an H200: prefill -15 %, "
-                         "train step -25 %; the compile takes longer)")
+                         "XACCEL_FALLBACK=inductor fuses them (7B-width xLSTMLarge on an H200: prefill -17 %, "
+                         "train step -17 %; the compile takes longer)")
         rows = [("replaced", r.family, r.pattern + (f"  [{r.note}]" if r.note else ""), r.location) for r in self.replacements]
         rows += [("fallback", f.family, f.reason, f.location) for f in self.fallbacks]
         rows += [("runtime", e.op, f"{e.reason} [kernel {e.provider.rsplit('.', 1)[-1]}]", e.key[:40])
