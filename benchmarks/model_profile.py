@@ -2,7 +2,7 @@
 configuration compiled with backend="xaccel"), prefill and one train step (mode train-loss: the
 loss compiled with the model) under the torch profiler, CUDA kernels grouped by kind. Run on the GPU machine:
 
-    XACCEL_TUNE=0 python benchmarks/model_profile.py [--fallback eager|inductor] [--modes prefill,train,train-loss] [--ops] [--gaps]
+    XACCEL_TUNE=0 python benchmarks/model_profile.py [--fallback eager|inductor] [--modes prefill,train,train-loss] [--ops] [--gaps] [--tuning]
     python benchmarks/model_profile.py --gemm-floor
 
 XACCEL_TUNE=0 skips first-call tuning (default configs) so the run spends its time profiling, but
@@ -10,7 +10,8 @@ then the GEMMs are not the ones a tuned run picks. --gemm-floor times cuBLAS alo
 nn.Linear of the model at its shape (forward; forward + input and weight gradients), beside the
 anchor's prefill and train step in the same process: the time no backend that uses cuBLAS-class
 GEMMs can go below. --gaps lists where the GPU sat idle between kernels in one step (wall time
-that no kernel accounts for) and what the host was doing then."""
+that no kernel accounts for) and what the host was doing then; --tuning prints the run's tuning
+decisions."""
 from __future__ import annotations
 
 import argparse
@@ -135,7 +136,8 @@ def idle_gaps(run, top: int, min_us: float = 10.0) -> None:
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as fh:
         p.export_chrome_trace(fh.name)
-        events = json.load(open(fh.name))["traceEvents"]
+        with open(fh.name) as trace:
+            events = json.load(trace)["traceEvents"]
     report_gaps(events, top, min_us)
 
 

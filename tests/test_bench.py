@@ -22,3 +22,11 @@ def test_bench_times_several_calls_of_a_model_train_step(monkeypatch):
     assert mode == "all"
     assert int(rep_train / 130) >= 7 and int(w_train / 130) >= 2
     assert int(rep_other / 27) >= 10 and int(w_other / 27) >= 1
+
+
+def test_bench_reads_every_form_do_bench_returns_its_calls_in(monkeypatch):
+    """return_mode="all" gives a list in current Triton and a tensor in some releases."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for form in ([4.0, 2.0, 3.0], torch.tensor([4.0, 2.0, 3.0]), (4.0, 2.0, 3.0)):
+        monkeypatch.setattr(triton.testing, "do_bench", lambda fn, form=form, **kw: form)
+        assert bench._bench_calls(lambda: None, True) == (3.0, [4.0, 2.0, 3.0])

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -53,15 +54,13 @@ def _bench_calls(fn, train: bool, grad_to_none=None) -> tuple[float, list]:
         fn()
         ms = (time.perf_counter() - t0) * 1e3
         return ms, [ms]
-    import statistics
-
     import triton.testing
 
     calls = triton.testing.do_bench(fn, warmup=BENCH_WARMUP_MS[train], rep=BENCH_REP_MS[train], return_mode="all",
                                     grad_to_none=grad_to_none)
-    calls = list(calls) if isinstance(calls, (list, tuple)) else [float(calls)]
+    calls = calls.tolist() if hasattr(calls, "tolist") else calls  # a list, or a tensor in some Triton versions
+    calls = [float(c) for c in calls] if isinstance(calls, (list, tuple)) else [float(calls)]
     return statistics.median(calls), calls
-
 
 
 HEAT_S = 2.0
