@@ -30,3 +30,33 @@ def test_bench_reads_every_form_do_bench_returns_its_calls_in(monkeypatch):
     for form in ([4.0, 2.0, 3.0], torch.tensor([4.0, 2.0, 3.0]), (4.0, 2.0, 3.0)):
         monkeypatch.setattr(triton.testing, "do_bench", lambda fn, form=form, **kw: form)
         assert bench._bench_calls(lambda: None, True) == (3.0, [4.0, 2.0, 3.0])
+
+
+def test_model_profile_gaps_counts_idle_time_between_kernels_and_blames_late_launches(capsys):
+    """benchmarks/model_profile.py --gaps on a hand-made trace: overlapping kernels leave no gap,
+    a kernel launched after the GPU went idle is the host's, a blocking call is counted."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "model_profile.py")
+    spec = importlib.util.spec_from_file_location("model_profile", path)
+    mp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mp)
+
+    def kernel(name, ts, dur, corr):
+        return dict(cat="kernel", name=name, ts=ts, dur=dur, args=dict(correlation=corr))
+
+    def call(name, ts, dur, corr):
+        return dict(cat="cuda_runtime", name=name, ts=ts, dur=dur, args=dict(correlation=corr))
+    events = [kernel("a", 0, 200, 1), kernel("b", 50, 50, 2),  # b inside a (another stream): busy until 200
+              kernel("c", 220, 10, 3),   # 20 us idle, launched at 5: in time
+              kernel("d", 450, 10, 4),   # 220 us idle, launched at 400, 170 us late
+              call("cudaLaunchKernel", 0, 2, 1), call("cudaLaunchKernel", 2, 2, 2),
+              call("cudaLaunchKernel", 5, 2, 3), call("cudaStreamSynchronize", 10, 170, 9),
+              call("cudaLaunchKernel", 400, 2, 4), dict(cat="cpu_op", name="aten::slow", ts=235, dur=160)]
+    mp.report_gaps(events, top=5, min_us=10)
+    out = capsys.readouterr().out
+    assert "GPU span 0.46 ms, idle 0.24 ms in 2 gaps >= 10 us; host-late launches 0.22 ms" in out
+    assert "cudaStreamSynchronize: x1, 0.170 ms" in out
+    assert "220.0 us idle, launched 170 us after the GPU went idle: c -> d" in out and "aten::slow" in out
+    assert "20.0 us idle, launched in time: b -> c" in out
