@@ -21,12 +21,13 @@ import torch
 def first_call(mode: str, small: bool) -> float:
     from xlstm.xlstm_large.model import xLSTMLarge, xLSTMLargeConfig
 
+    from torch_xaccel.bench import NATIVE_KERNELS
+
     width, blocks, vocab, (B, S) = (256, 2, 1024, (1, 64)) if small else (4096, 4, 50304, (4, 2048))
     dev, dtype = ("cpu", torch.float32) if small else ("cuda", torch.bfloat16)
     cfg = xLSTMLargeConfig(vocab_size=vocab, chunk_size=64, mode="inference" if mode == "prefill" else "train",
                            return_last_states=mode == "train", embedding_dim=width, num_heads=8, num_blocks=blocks,
-                           chunkwise_kernel="chunkwise--native_autograd", sequence_kernel="native_sequence__native",
-                           step_kernel="native")
+                           **NATIVE_KERNELS)
     torch.manual_seed(0)
     model = xLSTMLarge(cfg).to(dev, dtype)
     tokens = torch.randint(0, vocab, (B, S), device=dev)

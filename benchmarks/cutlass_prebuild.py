@@ -41,12 +41,13 @@ def record_cases(jobs: dict, stats: dict):
 def run_model(modes):
     from xlstm.xlstm_large.model import xLSTMLarge, xLSTMLargeConfig
 
+    from torch_xaccel.bench import NATIVE_KERNELS
+
     tokens = torch.randint(0, 1024, (1, 320))  # M = 320: above the decode-sized rows
     for mode in modes:
         cfg = xLSTMLargeConfig(vocab_size=1024, chunk_size=64, mode="train" if mode == "train" else "inference",
                                return_last_states=mode == "train", embedding_dim=4096, num_heads=8, num_blocks=1,
-                               chunkwise_kernel="chunkwise--native_autograd", sequence_kernel="native_sequence__native",
-                               step_kernel="native")
+                               **NATIVE_KERNELS)
         torch.manual_seed(0)
         model = xLSTMLarge(cfg).to(torch.bfloat16)
         torch._dynamo.reset()

@@ -58,6 +58,7 @@ def decoder(kernels: dict, fallback: str | None, batch: int = 1):
 
 def main() -> None:
     from torch_xaccel import eager_calls
+    from torch_xaccel.bench import ANCHOR_KERNELS, NATIVE_KERNELS
     from torch_xaccel.codegen import triton_gemm, triton_launch
 
     ap = argparse.ArgumentParser()
@@ -75,13 +76,9 @@ def main() -> None:
     eager_calls.ENABLED = args.fast_calls == "on"
     if args.decode_tiles == "off":
         triton_gemm.DECODE_M_ROWS = 0
-    native = dict(chunkwise_kernel="chunkwise--native_autograd", sequence_kernel="native_sequence__native",
-                  step_kernel="native")
-    anchor = dict(chunkwise_kernel="chunkwise--triton_limit_chunk", sequence_kernel="native_sequence__triton",
-                  step_kernel="triton")
-    calls = {"anchor (xlstm Triton kernels)": decoder(anchor, None, args.batch),
+    calls = {"anchor (xlstm Triton kernels)": decoder(ANCHOR_KERNELS, None, args.batch),
              f"xaccel, rest {args.fallback}, fast calls {args.fast_calls}, decode tiles {args.decode_tiles}":
-             decoder(native, args.fallback, args.batch)}
+             decoder(NATIVE_KERNELS, args.fallback, args.batch)}
     if args.graphed:
         from torch_xaccel.bench import _graphed
 

@@ -32,16 +32,16 @@ def kind(name: str) -> str:
     return next((k for k, keys in KINDS if any(s in low for s in keys)), "other")
 
 
-NATIVE = dict(chunkwise_kernel="chunkwise--native_autograd", sequence_kernel="native_sequence__native",
-              step_kernel="native")
 
 
 def model(mode: str, **kernels):
     """The 7B-width xLSTMLarge, bf16 on CUDA, in its native configuration unless `kernels` says otherwise."""
     from xlstm.xlstm_large.model import xLSTMLarge, xLSTMLargeConfig
 
+    from torch_xaccel.bench import NATIVE_KERNELS
+
     cfg = xLSTMLargeConfig(vocab_size=50304, chunk_size=64, mode=mode, return_last_states=mode == "train",
-                           embedding_dim=4096, num_heads=8, num_blocks=4, **{**NATIVE, **kernels})
+                           embedding_dim=4096, num_heads=8, num_blocks=4, **{**NATIVE_KERNELS, **kernels})
     torch.manual_seed(0)
     return xLSTMLarge(cfg).to("cuda", torch.bfloat16)
 
@@ -89,10 +89,10 @@ def gemm_floor(tokens: int = 4 * 2048) -> None:
     print(f"GEMM floor ({len(shapes)} linear layers, M{tokens}): prefill {fwd_ms:.3f} ms "
           f"({flop / fwd_ms / 1e9:.0f} TFLOP/s), train step {train_ms:.3f} ms ({3 * flop / train_ms / 1e9:.0f} TFLOP/s); "
           f"{flop / 1e12:.2f} TFLOP per forward", flush=True)
-    anchor_cfg = dict(chunkwise_kernel="chunkwise--triton_limit_chunk", sequence_kernel="native_sequence__triton",
-                      step_kernel="triton")
+    from torch_xaccel.bench import ANCHOR_KERNELS
+
     for mode in ("prefill", "train"):
-        m = model("inference" if mode == "prefill" else "train", **anchor_cfg)
+        m = model("inference" if mode == "prefill" else "train", **ANCHOR_KERNELS)
         ids = torch.randint(0, 50304, (tokens // 2048, 2048), device="cuda")
         ms = triton.testing.do_bench(lambda: step(mode, m, m, ids), warmup=3, rep=20)
         print(f"anchor (xlstm Triton kernels) {mode}: {ms:.3f} ms", flush=True)

@@ -298,6 +298,14 @@ def run_mlstm_case(case: Case) -> list:
     return rows
 
 
+# the xlstm package's kernel settings: its pure-PyTorch configuration, which xaccel compiles, and
+# its own Triton kernels (the anchor); the benchmarks/ scripts use the same two
+NATIVE_KERNELS = dict(chunkwise_kernel="chunkwise--native_autograd", sequence_kernel="native_sequence__native",
+                      step_kernel="native")
+ANCHOR_KERNELS = dict(chunkwise_kernel="chunkwise--triton_limit_chunk", sequence_kernel="native_sequence__triton",
+                      step_kernel="triton")
+
+
 def xlstm_model(B=4, S=2048, quick=False):
     """xLSTMLarge at 7B widths (embedding 4096, 8 heads, 4 blocks, vocab 50304), bf16: prefill, a
     train step and one-token decode latency at batch 1 and 8 (plain and in a CUDA graph), for the
@@ -323,12 +331,10 @@ def run_model_case(case: Case) -> list:
         rows.append(dict(case=case.name, path=path, ms=ms, tflops=tokens / ms / 1e3, extra=extra))
         print(f"  {path:52s} {ms:9.3f} ms  {tokens / ms:8.1f} k tok/s  {extra}", flush=True)
 
-    native = dict(chunkwise_kernel="chunkwise--native_autograd", sequence_kernel="native_sequence__native",
-                  step_kernel="native")
+    native = NATIVE_KERNELS
     ro = {"mode": "reduce-overhead"}
     configs = {  # name: (the model's kernel settings, XACCEL_* set while it compiles, torch.compile kwargs)
-        "xlstm Triton kernels (anchor)": (dict(chunkwise_kernel="chunkwise--triton_limit_chunk",
-                                               sequence_kernel="native_sequence__triton", step_kernel="triton"), {}, {}),
+        "xlstm Triton kernels (anchor)": (ANCHOR_KERNELS, {}, {}),
         "native kernels + xaccel": (native, {"XACCEL_FALLBACK": "eager"}, {}),
         "native kernels + xaccel, rest by Inductor": (native, {"XACCEL_FALLBACK": "inductor"}, {}),
         # CUDA graph trees inside the compiled function: decode rows (the default --paths skips them
