@@ -15,12 +15,18 @@ os.environ.setdefault("XACCEL_CACHE_DIR", os.path.join(tempfile.gettempdir(), "x
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from torch_xaccel.codegen import cache  # noqa: E402
+from torch_xaccel.codegen.gemm_epilogue.render import render_triton  # noqa: E402
+from torch_xaccel.codegen.limits import SHARED_LIMIT  # noqa: E402
+from torch_xaccel.codegen.mlstm import (
+    configs as mlstm_configs,  # noqa: E402
+    settings as mlstm_settings,
+    triton_kernels as mlstm_triton,  # noqa: E402
+)
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from torch_xaccel.codegen import cache, triton_mlstm  # noqa: E402
-from torch_xaccel.codegen.render import render_gemm_epilogue  # noqa: E402
-from torch_xaccel.epilogue_ir import Epilogue  # noqa: E402
+from torch_xaccel.ops.gemm_epilogue.epilogue_ir import Epilogue  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
@@ -36,8 +42,9 @@ def report(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int) -
     text = proc.stdout + proc.stderr
     regs = re.findall(r"Used (\d+) registers", text)
     spills = re.findall(r"(\d+) bytes spill stores", text)
-    fits = "" if k.metadata.shared <= cache.SHARED_LIMIT else "  (over the 227 KiB shared-memory limit)"
-    return f"regs {regs[0] if regs else '?'}  spill stores {spills[0] if spills else '?'} B  shared {k.metadata.shared} B{fits}"
+    fits = "" if k.metadata.shared <= SHARED_LIMIT else "  (over the 227 KiB shared-memory limit)"
+    return (f"regs {regs[0] if regs else '?'}  spill stores {spills[0] if spills else '?'} B  "
+            f"shared {k.metadata.shared} B{fits}")
 
 
 def _load(name, src):
@@ -49,8 +56,9 @@ def gemm_kernels():
                    {"op": "gelu_tanh", "in": [2]}, {"op": "load", "operand": 1, "bcast": "full"},
                    {"op": "add", "in": [3, 4]}), (5,))
     for variant in ("tma", "tma2"):
-        fn = _load(*render_gemm_epilogue(ep, 2, "ieee", variant, True))
-        types = {a: ("tensordesc<bf16[128, 64]>" if a == "a_desc" else "tensordesc<bf16[256, 64]>" if a.endswith("_desc")
+        fn = _load(*render_triton(ep, 2, "ieee", variant, True))
+        types = {a: ("tensordesc<bf16[128, 64]>" if a == "a_desc"
+                     else "tensordesc<bf16[256, 64]>" if a.endswith("_desc")
                      else "*bf16" if a.endswith("_ptr") else "i32") for a in fn.arg_names}
         cons = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, NUM_SMS=132, FLATTEN=True)
         print(f"gemm_epilogue {variant:4s} 128x256x64 8 warps 3 stages: {report(fn, types, cons, 8, 3)}")
@@ -63,19 +71,21 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False,
 
     def types_for(fn):
         return {a: (ptr if a in ("q_ptr", "k_ptr", "v_ptr", "h_ptr", "Cs_ptr", "dCs_ptr", "dh_ptr", "dq_ptr",
-                                     "dk_ptr", "dv_ptr", "dS_ptr") else "i32" if a in ("S", "NC", "NT", "NKT", "H") or a[-3:] in ("_sb", "_sh", "_ss")
-                    else "fp32" if a in ("scale", "eps") else "*i8" if a == "start_ptr" else "*fp32") for a in fn.arg_names}
+                                     "dk_ptr", "dv_ptr", "dS_ptr")
+                    else "i32" if a in ("S", "NC", "NT", "NKT", "H") or a[-3:] in ("_sb", "_sh", "_ss")
+                    else "fp32" if a in ("scale", "eps") else "*i8" if a == "start_ptr" else "*fp32")
+                for a in fn.arg_names}
 
     seen = set()
     for DK, DV in shapes:
         size = dtype.itemsize
-        fwd = triton_mlstm.forward_candidates(DK, DV, size)
+        fwd = mlstm_configs.forward_candidates(DK, DV, size)
         if all_candidates:  # and the sliced kernel's neighbours that mlstm_sweep.py --sliced times
-            fwd = triton_mlstm._unique(fwd + triton_mlstm.sliced_sweep_configs(DK, DV))
-        phases = (("fwd", fwd), ("bwd", triton_mlstm.backward_candidates(DK, DV, size)))
+            fwd = mlstm_configs.unique(fwd + mlstm_configs.sliced_sweep_configs(DK, DV))
+        phases = (("fwd", fwd), ("bwd", mlstm_configs.backward_candidates(DK, DV, size)))
         for phase, cands in phases:
             for cfg in cands if all_candidates else cands[:1]:
-                scan = triton_mlstm._scan_warps(cfg)
+                scan = mlstm_configs.scan_warps(cfg)
                 kernels = [("mlstm_chunk_gates.py.jinja", {}, 4),
                            ("mlstm_chunk_states.py.jinja", dict(BK=cfg["BK"], BV=cfg["BVS"]), scan)]
                 fwd_tiles = dict(BV=cfg["BV"], **({"BKQ": cfg["BKQ"]} if cfg.get("BKQ") else {}))
@@ -88,23 +98,26 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False,
                     kernels.append(("mlstm_bwd_dv.py.jinja", dict(BV=cfg["DVS"]), cfg["warps"]))
                 if phase == "bwd" and cfg.get("DKS"):
                     kernels.append(("mlstm_bwd_dqdk.py.jinja", dict(BV=cfg["BV"], BK=cfg["DKS"]), cfg["warps"]))
-                if phase == "bwd":  # FUSED_ROUTE's tail (no tile config: once per head shape)
+                if phase == "bwd":  # the fused backward tail (no tile config: once per head shape)
                     kernels.append(("mlstm_bwd_route.py.jinja", dict(BLOCK=1024, NTP=4), 4))
                 for template, tiles, warps in kernels:
-                    key = (template, DK, DV, cfg["L"], tuple(sorted(tiles.items())), warps, cfg["stages"], cfg.get("LF"))
+                    key = (template, DK, DV, cfg["L"], tuple(sorted(tiles.items())), warps, cfg["stages"],
+                           cfg.get("LF"))
                     if key in seen:
                         continue
                     seen.add(key)
-                    extra = (dict(has_state=False, gate_factors=triton_mlstm.CHUNK_SCAN_FACTORS, loads_first=bool(cfg.get("LF")))
+                    extra = (dict(has_state=False, gate_factors=mlstm_settings.current().chunk_scan_factors,
+                                  loads_first=bool(cfg.get("LF")))
                              if template == "mlstm_chunk_states.py.jinja" else
                              dict(k_loop="BKQ" in tiles, save_rows=True) if template == "mlstm_fwd.py.jinja" else
-                             dict(split_dv="DVS" in tiles) if template in ("mlstm_bwd.py.jinja", "mlstm_bwd_ds.py.jinja") else
-                             dict(row_factors=triton_mlstm.SCAN_ROW_FACTORS, saved_rows=True)
+                             dict(split_dv="DVS" in tiles)
+                             if template in ("mlstm_bwd.py.jinja", "mlstm_bwd_ds.py.jinja") else
+                             dict(row_factors=mlstm_settings.current().scan_row_factors, saved_rows=True)
                              if template == "mlstm_bwd_rows.py.jinja" else
-                             dict(row_factors=triton_mlstm.SCAN_ROW_FACTORS)
+                             dict(row_factors=mlstm_settings.current().scan_row_factors)
                              if template == "mlstm_bwd_states.py.jinja" else
                              dict(has_state=False) if template == "mlstm_bwd_route.py.jinja" else {})
-                    fn = _load(*triton_mlstm._render(template, dtype, False, **extra))
+                    fn = _load(*mlstm_triton._render(template, dtype, False, **extra))
                     cons = dict(DK=DK, DV=DV, L=cfg["L"], **{k: v for k, v in tiles.items() if k not in ("DVS", "DKS")})
                     cons = {k: v for k, v in cons.items() if k in fn.arg_names}  # the gates kernel takes L alone
                     print(f"{template.split('.')[0]:20s} DK{DK} DV{DV} {cons} {warps} warps {cfg['stages']} stages: "

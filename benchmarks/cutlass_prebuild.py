@@ -1,14 +1,14 @@
 """Build, on a machine without the GPU, the CUTLASS kernels that a GPU run of the whole-model bench
-will time, so that the device's time goes to timing and not to nvcc (each build takes 50-80 s;
-the xLSTMLarge train step needs dozens of them).
+will time, so that the device's time goes to timing and not to nvcc (each build is slow, and the
+xLSTMLarge train step needs dozens of them).
 
 A kernel's source depends on the epilogue, the dtypes, the operands' broadcasts and the B layout,
 not on M, N or K. So the model compiles and runs once here on the CPU, in bf16, at its real widths
-(one block, 320 tokens), with XACCEL_BACKWARD_FUSION=1 as on an H200; every gemm_epilogue
-call that CUTLASS could serve on the GPU is recorded and its configs (triton_gemm.cutlass_configs)
+(one block, 320 tokens), with XACCEL_BACKWARD_FUSION=1 as on an sm_90 GPU; every gemm_epilogue
+call that CUTLASS could serve on the GPU is recorded and its configs (gemm_kernels.cutlass_configs)
 are built into the cache (XACCEL_CACHE_DIR; carry the `cutlass/` folder to the device). nvcc must
-match the device's. The vocabulary is cut to 1024 (the LM head's chain does not depend on it; CPU
-bf16 GEMMs at 50304 take minutes each).
+match the device's. The vocabulary is cut to 1024 (the LM head's chain does not depend on it, and
+CPU bf16 GEMMs at the full 50304 are slow).
 
     XACCEL_CACHE_DIR=.xcache python benchmarks/cutlass_prebuild.py [prefill] [train]
 """
@@ -16,26 +16,26 @@ import os
 import sys
 
 import torch
+from torch_xaccel.codegen.gemm_epilogue import cutlass_kernels, triton_kernels as gemm_kernels
 
-from torch_xaccel.codegen import cutlass_gemm, triton_gemm
-from torch_xaccel.ops import gemm_epilogue
+from torch_xaccel.ops.gemm_epilogue import reference
 
 
 def record_cases(jobs: dict, stats: dict):
     """Wrap the op's reference so each call adds its CUTLASS sources to jobs (name -> source)."""
-    original = gemm_epilogue.reference
+    original = reference.forward
 
     def recording(a, bs, operands, epilogue, b_transposed):
-        case = triton_gemm._Case(a, bs, operands, epilogue, b_transposed)
-        why = cutlass_gemm.layout_unsupported(case.ep, case.a2, case.bs, case.ops, b_transposed, case.bcast)
-        cfgs = triton_gemm.cutlass_configs(case.M)
+        case = gemm_kernels._Case(a, bs, operands, epilogue, b_transposed)
+        why = cutlass_kernels.layout_unsupported(case.ep, case.a2, case.bs, case.ops, b_transposed, case.bcast)
+        cfgs = gemm_kernels.cutlass_configs(case.M)
         if not cfgs or why:
             stats[why or "decode step"] = stats.get(why or "decode step", 0) + 1
         else:
             jobs.update(case.cutlass_source(cfg) for cfg in cfgs)
         return original(a, bs, operands, epilogue, b_transposed)
 
-    gemm_epilogue.reference = recording
+    reference.forward = recording
 
 
 def run_model(modes):
@@ -61,14 +61,15 @@ def run_model(modes):
 
 
 def main():
-    os.environ.setdefault("XACCEL_BACKWARD_FUSION", "1")  # as on an sm_90 GPU with CUTLASS (config.backward_fusion)
+    # as on an sm_90 GPU with CUTLASS (lowering/gemm_epilogue/backward.py)
+    os.environ.setdefault("XACCEL_BACKWARD_FUSION", "1")
     modes = sys.argv[1:] or ["prefill", "train"]
     jobs, stats = {}, {}
     record_cases(jobs, stats)
     run_model(modes)
     print(f"{len(jobs)} CUTLASS kernels for {modes}; calls CUTLASS cannot serve: {stats or 'none'}", flush=True)
-    cutlass_gemm.build_all(list(jobs.items()), "prebuild")
-    failed = [n for n, s in jobs.items() if cutlass_gemm.state(n, s) != "built"]
+    cutlass_kernels.build_all(list(jobs.items()), "prebuild")
+    failed = [n for n, s in jobs.items() if cutlass_kernels.state(n, s) != "built"]
     print(f"built {len(jobs) - len(failed)}; not built: {failed or 'none'}")
 
 

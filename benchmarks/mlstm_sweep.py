@@ -1,5 +1,6 @@
-"""Time the generated mLSTM kernels over tile configurations on the GPU (bf16), to pick the
-defaults in codegen/triton_mlstm.py:
+"""Which tile configuration of the generated mLSTM kernels is fastest on this GPU, and what do the
+kernels' A/B forms (codegen/mlstm/settings.py) cost? Times configs on the GPU (bf16), to pick the
+defaults in codegen/mlstm/configs.py:
 
     python benchmarks/mlstm_sweep.py [--quick] [--sliced] [--profile] [--scan-ab] [--bwd-kept] [--route-ab]
                                      [--variants JSON] [--shapes B,H,S,DK,DV;...]
@@ -12,8 +13,7 @@ import json
 
 import torch
 import triton.testing
-
-from torch_xaccel.codegen import triton_mlstm as tm
+from torch_xaccel.codegen.mlstm import configs as mlstm_configs, settings, triton_kernels as tm
 
 SHAPES = [(8, 16, 8192, 128, 128), (8, 8, 4096, 256, 512)]
 
@@ -38,29 +38,31 @@ def _rel(a, b):
 
 def sweep(shape, fwd_cfgs, bwd_cfgs):
     x = _inputs(*shape)
-    default_f, default_b = tm.forward_config, tm.backward_config
+    default_f, default_b = mlstm_configs.forward_config, mlstm_configs.backward_config
     h_ref = tm.forward(None, *x, None, None, None, 1e-6, 64)[0]
     dh = torch.randn_like(h_ref)
     g_ref = tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h_ref) if bwd_cfgs else None
     for cfg in fwd_cfgs:
-        tm.forward_config = lambda DK, DV, itemsize=2, c=cfg: dict(c)
+        mlstm_configs.forward_config = lambda DK, DV, itemsize=2, c=cfg: dict(c)
         try:
             h = tm.forward(None, *x, None, None, None, 1e-6, 64)[0]
             ms = triton.testing.do_bench(lambda: tm.forward(None, *x, None, None, None, 1e-6, 64), warmup=10, rep=50)
             print(f"{shape} fwd {cfg}: {ms:.3f} ms  rel {_rel(h, h_ref):.1e}", flush=True)
         except Exception as e:  # noqa: BLE001 - a config that does not build is a finding
             print(f"{shape} fwd {cfg}: FAILED {type(e).__name__}: {str(e)[:100]}", flush=True)
-    tm.forward_config = default_f
+    mlstm_configs.forward_config = default_f
     for cfg in bwd_cfgs:
-        tm.backward_config = lambda DK, DV, itemsize=2, c=cfg: dict(c)
+        mlstm_configs.backward_config = lambda DK, DV, itemsize=2, c=cfg: dict(c)
         try:
             g = tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h_ref)
-            ms = triton.testing.do_bench(lambda: tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h_ref),
-                                         warmup=5, rep=30)
-            print(f"{shape} bwd {cfg}: {ms:.3f} ms  rel dq {_rel(g[0], g_ref[0]):.1e} df {_rel(g[4], g_ref[4]):.1e}", flush=True)
+            ms = triton.testing.do_bench(
+                lambda: tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h_ref),
+                warmup=5, rep=30)
+            print(f"{shape} bwd {cfg}: {ms:.3f} ms  rel dq {_rel(g[0], g_ref[0]):.1e} df {_rel(g[4], g_ref[4]):.1e}",
+                  flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"{shape} bwd {cfg}: FAILED {type(e).__name__}: {str(e)[:100]}", flush=True)
-    tm.backward_config = default_b
+    mlstm_configs.backward_config = default_b
 
 
 def kernel_times(fn, calls: int = 3):
@@ -125,34 +127,31 @@ def kernel_resources():
 
 
 def scan_ab(shape, only=()):
-    """The two sequential scans with their gate terms recomputed at every step (the flags False)
-    and precomputed in parallel (True): the forward (CHUNK_SCAN_FACTORS: mlstm_chunk_gates before
+    """The two sequential scans with their gate terms recomputed at every step (the switch off)
+    and precomputed in parallel (on): the forward (chunk_scan_factors: mlstm_chunk_gates before
     the chunk-state scan) and the backward from kept chunk states, what training runs
-    (SCAN_ROW_FACTORS: row factors from mlstm_bwd_rows); and that backward with mlstm_bwd_rows
-    reading the forward's den and m_t per row or recomputing q k^T (SAVED_ROWS), and with its
-    tail in torch or in one kernel (FUSED_ROUTE; --route-ab runs only that); per-kernel times,
+    (scan_row_factors: row factors from mlstm_bwd_rows); and that backward with mlstm_bwd_rows
+    reading the forward's den and m_t per row or recomputing q k^T (saved_rows), and with its
+    tail in torch or in one kernel (fused_route; --route-ab runs only that); per-kernel times,
     launches, median times, and the outputs' difference between the two (bf16: both carry their
-    own rounding). Each flag is restored afterwards."""
+    own rounding)."""
     x, h, dh, states = _kept_forward(shape)
     bwd = lambda: tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h, states)  # noqa: E731
-    phases = {"CHUNK_SCAN_FACTORS": lambda: tm.forward(None, *x, None, None, None, 1e-6, 64, keep_chunk_states=True),
-              "SCAN_ROW_FACTORS": bwd, "SAVED_ROWS": bwd, "FUSED_ROUTE": bwd}
+    phases = {"chunk_scan_factors": lambda: tm.forward(None, *x, None, None, None, 1e-6, 64, keep_chunk_states=True),
+              "scan_row_factors": bwd, "saved_rows": bwd, "fused_route": bwd}
     for flag, run in phases.items():
         if only and flag not in only:
             continue
-        outs, before = {}, getattr(tm, flag)
-        try:
-            for value in (False, True):
-                setattr(tm, flag, value)
+        outs = {}
+        for value in (False, True):
+            with settings.override(**{flag: value}):
                 outs[value] = run()
                 total, rows = kernel_times(run)
                 ms = triton.testing.do_bench(run, warmup=10, rep=50)
-                print(f"{shape} {flag}={value}: {ms:.3f} ms (kernels {total:.3f}, {sum(r[1] for r in rows)} launches)",
-                      flush=True)
-                for kms, k, key in rows[:6]:
-                    print(f"{shape}   {kms:8.3f} ms x{k:<3d} {key[:90]}", flush=True)
-        finally:
-            setattr(tm, flag, before)
+            print(f"{shape} {flag}={value}: {ms:.3f} ms (kernels {total:.3f}, {sum(r[1] for r in rows)} launches)",
+                  flush=True)
+            for kms, k, key in rows[:6]:
+                print(f"{shape}   {kms:8.3f} ms x{k:<3d} {key[:90]}", flush=True)
         errs = " ".join(f"{_rel(a, b):.1e}" for a, b in zip(outs[True][:5], outs[False][:5]))
         print(f"{shape} {flag} True vs False, first five outputs: {errs}", flush=True)
 
@@ -162,10 +161,10 @@ def backward_kept(shape, cfgs):
     config: median ms, the kernels' times, and every input gradient's difference from the first
     config's (bf16: a few 1e-3 between right configs)."""
     x, h, dh, states = _kept_forward(shape)
-    ref, default_b = None, tm.backward_config
+    ref, default_b = None, mlstm_configs.backward_config
     try:
         for cfg in cfgs:
-            tm.backward_config = lambda DK, DV, itemsize=2, c=cfg: dict(c)
+            mlstm_configs.backward_config = lambda DK, DV, itemsize=2, c=cfg: dict(c)
             run = lambda: tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h, states)  # noqa: E731
             try:
                 got = run()
@@ -179,22 +178,22 @@ def backward_kept(shape, cfgs):
             except Exception as e:  # noqa: BLE001 - a config that does not build is a finding
                 print(f"{shape} bwd kept {cfg}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
     finally:
-        tm.backward_config = default_b
+        mlstm_configs.backward_config = default_b
 
 
 def main():
-    tm.TUNE = False
+    settings.configure(tune=False)  # fixed configs: this script times them itself
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sliced", action="store_true",
                     help="only the forward: the whole-tile kernel's first config and the sliced kernel's neighbours"
-                         " (tm.sliced_sweep_configs)")
+                         " (mlstm_configs.sliced_sweep_configs)")
     ap.add_argument("--profile", action="store_true", help="only the per-kernel profile at the default configs")
     ap.add_argument("--scan-ab", action="store_true", help="only the two scans with and without precomputed gate terms")
     ap.add_argument("--bwd-kept", action="store_true",
                     help="only the backward from kept chunk states, at every backward candidate")
-    ap.add_argument("--route-ab", action="store_true", help="only the backward's tail in torch and fused (FUSED_ROUTE)")
-    ap.add_argument("--ab", default="", help="with --scan-ab: only these flags (comma-separated, e.g. SAVED_ROWS)")
+    ap.add_argument("--route-ab", action="store_true", help="only the backward's tail in torch and fused (fused_route)")
+    ap.add_argument("--ab", default="", help="with --scan-ab: only these switches (comma-separated, e.g. saved_rows)")
     ap.add_argument("--variants", default="[]",
                     help='with --bwd-kept: also each of these key overrides (a JSON list, e.g. [{"SW": 8}]) applied '
                          "to each of the first --variant-bases candidates")
@@ -202,10 +201,11 @@ def main():
     ap.add_argument("--shapes", default="", help="B,H,S,DK,DV;... in place of the two benchmark shapes")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";") if s] or SHAPES
-    print("defaults:", {s: (tm.forward_config(s[3], s[4]), tm.backward_config(s[3], s[4])) for s in shapes})
+    print("defaults:", {s: (mlstm_configs.forward_config(s[3], s[4]), mlstm_configs.backward_config(s[3], s[4]))
+                        for s in shapes})
     for shape in shapes:
         DK, DV = shape[3], shape[4]
-        base_f, base_b = tm.forward_config(DK, DV), tm.backward_config(DK, DV)
+        base_f, base_b = mlstm_configs.forward_config(DK, DV), mlstm_configs.backward_config(DK, DV)
         fwd = [base_f, dict(base_f, warps=4), dict(base_f, BV=min(DV, 256)), dict(base_f, BV=64, warps=4),
                dict(base_f, BK=min(DK, 64), BVS=min(DV, 128))]
         bwd = [base_b, dict(base_b, stages=1), dict(base_b, BV=64, stages=1), dict(base_b, L=32, BV=64, stages=1),
@@ -214,12 +214,13 @@ def main():
             profile(shape)
             continue
         if args.bwd_kept:
-            cands = tm.backward_candidates(DK, DV)
-            extra = [tm._fit(dict(c, **v), DK, DV) for c in cands[:args.variant_bases] for v in json.loads(args.variants)]
+            cands = mlstm_configs.backward_candidates(DK, DV)
+            extra = [mlstm_configs.fit(dict(c, **v), DK, DV) for c in cands[:args.variant_bases]
+                     for v in json.loads(args.variants)]
             backward_kept(shape, cands + extra)
             continue
         if args.route_ab:
-            scan_ab(shape, ["FUSED_ROUTE"])
+            scan_ab(shape, ["fused_route"])
             continue
         if args.scan_ab:
             scan_ab(shape, [f for f in args.ab.split(",") if f])
@@ -227,8 +228,8 @@ def main():
         if args.quick:
             fwd, bwd = fwd[:4], bwd[:2]
         if args.sliced:
-            whole = [c for c in tm.forward_candidates(DK, DV) if not c.get("BKQ")][:1]
-            sweep(shape, whole + tm.sliced_sweep_configs(DK, DV), [])
+            whole = [c for c in mlstm_configs.forward_candidates(DK, DV) if not c.get("BKQ")][:1]
+            sweep(shape, whole + mlstm_configs.sliced_sweep_configs(DK, DV), [])
             profile(shape)
             continue
         profile(shape)

@@ -1,8 +1,10 @@
 """Where the whole-model time goes: xLSTMLarge at 7B widths (B4 x 2048 tokens, bf16, native
 configuration compiled with backend="xaccel"), prefill and one train step (mode train-loss: the
-loss compiled with the model) under the torch profiler, CUDA kernels grouped by kind. Run on the GPU machine:
+loss compiled with the model) under the torch profiler, CUDA kernels grouped by kind. Run on the
+GPU machine:
 
-    XACCEL_TUNE=0 python benchmarks/model_profile.py [--fallback eager|inductor] [--modes prefill,train,train-loss] [--ops] [--gaps] [--tuning]
+    XACCEL_TUNE=0 python benchmarks/model_profile.py [--fallback eager|inductor]
+        [--modes prefill,train,train-loss] [--ops] [--gaps] [--tuning]
     python benchmarks/model_profile.py --gemm-floor
 
 XACCEL_TUNE=0 skips first-call tuning (default configs) so the run spends its time profiling, but
@@ -87,7 +89,8 @@ def gemm_floor(tokens: int = 4 * 2048) -> None:
         f, dx, dw = per_shape[(K, N)]
         fwd_ms, train_ms, flop = fwd_ms + f, train_ms + f + dx + dw, flop + 2 * tokens * K * N
     print(f"GEMM floor ({len(shapes)} linear layers, M{tokens}): prefill {fwd_ms:.3f} ms "
-          f"({flop / fwd_ms / 1e9:.0f} TFLOP/s), train step {train_ms:.3f} ms ({3 * flop / train_ms / 1e9:.0f} TFLOP/s); "
+          f"({flop / fwd_ms / 1e9:.0f} TFLOP/s), train step {train_ms:.3f} ms "
+          f"({3 * flop / train_ms / 1e9:.0f} TFLOP/s); "
           f"{flop / 1e12:.2f} TFLOP per forward", flush=True)
     from torch_xaccel.bench import ANCHOR_KERNELS
 
@@ -129,6 +132,7 @@ def idle_gaps(run, top: int, min_us: float = 10.0) -> None:
     counted, and the CPU ops under way at the largest gaps named."""
     import json
     import tempfile
+
     from torch.profiler import ProfilerActivity, profile as prof
 
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
@@ -172,7 +176,8 @@ def report_gaps(events: list, top: int, min_us: float) -> None:
         end = start + idle
         during = sorted((e for e in ops if e["ts"] < end and e["ts"] + e["dur"] > start and e["dur"] < 20 * idle),
                         key=lambda e: -(min(end, e["ts"] + e["dur"]) - max(start, e["ts"])))
-        late = f"launched {issued - start:.0f} us after the GPU went idle" if issued and issued > start else "launched in time"
+        late = (f"launched {issued - start:.0f} us after the GPU went idle" if issued and issued > start
+                else "launched in time")
         print(f"    {idle:8.1f} us idle, {late}: {before[:50]} -> {after[:50]}"
               f"\n        host meanwhile: {', '.join(e['name'] for e in during[:4])[:200]}", flush=True)
 
@@ -225,7 +230,8 @@ def main() -> None:
     ap.add_argument("--modes", default="prefill,train")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--ops", action="store_true", help="also the copy-like ATen ops with shapes and callers")
-    ap.add_argument("--gaps", action="store_true", help="also the GPU's idle gaps in one step and the host's part in them")
+    ap.add_argument("--gaps", action="store_true",
+                    help="also the GPU's idle gaps in one step and the host's part in them")
     ap.add_argument("--tuning", action="store_true", help="also the tuning decisions made in this run")
     ap.add_argument("--gemm-floor", action="store_true", help="cuBLAS alone on the model's GEMMs, and the anchor")
     args = ap.parse_args()

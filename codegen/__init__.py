@@ -1,9 +1,12 @@
-"""Kernel source generation: jinja2 templates (templates/) rendered per op and specialisation, built
-by Triton, cached on disk under XACCEL_CACHE_DIR (cache.py). Installed as torch_xaccel.codegen.
+"""Kernel generation. Installed as torch_xaccel.codegen.
 
-- render.py + triton_gemm.py: GEMM + epilogue kernels for xaccel::gemm_epilogue, with tuning.
-- triton_mlstm.py: chunkwise mLSTM forward and backward, and the decode step kernel.
-- offsets.py: how far the kernels' int32 offsets reach (both decline larger tensors).
-Each module is a runtime provider: it returns NotImplemented for cases it does not cover, and the
-op's reference runs instead (torch_xaccel/runtime.py).
+Shared: render.py (a family's jinja2 templates and their digest), cache.py (the on-disk cache
+under XACCEL_CACHE_DIR: rendered sources, CUTLASS builds, tuning decisions), tuning.py (the one
+tuner: keys, XACCEL_TUNE, the interpreter, CUDA-graph capture, timing), limits.py (the int32
+reach of kernel offsets, the shared memory a tile config may ask), triton_launch.py (relaunching a
+compiled Triton kernel directly).
+
+Per family (`codegen/<family>/`): its renderers, configs and templates/, and the kernel providers
+families.py names. A provider returns NotImplemented for cases it does not cover, and the op's
+reference runs instead (torch_xaccel/runtime.py).
 """

@@ -1,8 +1,8 @@
 """A compiled Triton kernel launched again without JITFunction.run's per-call work.
 
 JITFunction.run binds every argument, builds the specialization key, looks the kernel up and asks
-the driver for the device and stream on each launch: host time that a one-token decode call pays
-~25 times (its GEMM chains' launch plans, codegen/triton_gemm._Plan). A DirectLaunch keeps the
+the driver for the device and stream on each launch: host time that a one-token decode pays for
+every kernel it launches (the GEMM chains' launch plans, the mLSTM step). A DirectLaunch keeps the
 CompiledKernel of one earlier launch and calls its launcher, as JITFunction.run itself does last.
 
 That is only the same kernel while Triton would pick the same specialization: the caller keeps
@@ -11,8 +11,6 @@ what varies between calls, the tensors' dtypes and 16-byte alignment, and the cu
 from __future__ import annotations
 
 import torch
-
-ENABLED = True  # False: every launch through JITFunction.run (the A/B of the host time this saves)
 
 
 def _guard(tensors) -> tuple:
@@ -45,7 +43,7 @@ class DirectLaunch:
         return cls(runner, tuple(meta[name] for name in names), torch.cuda.current_device(), _guard(tensors))
 
     def matches(self, tensors) -> bool:
-        return ENABLED and torch.cuda.current_device() == self.device and _guard(tensors) == self.guard
+        return torch.cuda.current_device() == self.device and _guard(tensors) == self.guard
 
     def __call__(self, args) -> None:
         self.runner(*args, *self.consts, stream=torch._C._cuda_getCurrentRawStream(self.device))

@@ -1,13 +1,16 @@
 """Small helpers over ATen FX graphs shared by the pattern passes."""
 from __future__ import annotations
 
+import os
 import re
 
 import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from torch_xaccel.substitutions import FILE_MARK
+# library functions substituted while Dynamo traces live in this package's passes: their frames in
+# a node's stack trace are not the user's
+_LOWERING_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def val(node) -> object:
@@ -29,13 +32,27 @@ def frames(node: torch.fx.Node) -> list[tuple[str, str, str]]:
 
 
 def location(node: torch.fx.Node) -> str:
-    """'file.py:42 in forward' from the user's stack trace, or the node name. Frames inside
-    torch_xaccel/substitutions.py (a substituted library function) are skipped: the caller is the news."""
-    user = [f for f in frames(node) if not f[0].endswith(FILE_MARK)]
-    if not user:
-        return node.name
-    path, line, fn = user[-1]
-    return f"{path.rsplit('/', 1)[-1]}:{line} in {fn}"
+    """Where the user wrote the node: 'file.py:42 in forward' from its stack trace; else (a model
+    that is itself a container of torch modules, such as an nn.Sequential, leaves no user frame)
+    the module it ran in, 'Sequential.2.0 (Linear)'; else the node's name. Frames inside the
+    lowering package (a library function substituted while Dynamo traced) are skipped: the
+    caller is the news."""
+    user = [f for f in frames(node) if not os.path.abspath(f[0]).startswith(_LOWERING_DIR)]
+    if user:
+        path, line, fn = user[-1]
+        return f"{path.rsplit('/', 1)[-1]}:{line} in {fn}"
+    return _module_path(node) or node.name
+
+
+def _module_path(node: torch.fx.Node) -> str | None:
+    """'Sequential.2.0 (Linear)' from the node's nn_module_stack (outermost module first)."""
+    stack = list((node.meta.get("nn_module_stack") or {}).values())
+    if not stack:
+        return None
+    (root, root_cls), (inner, inner_cls) = stack[0], stack[-1]
+    name = getattr(root_cls, "__name__", str(root_cls))
+    sub = inner[len(root):].lstrip(".") if inner.startswith(root) else inner
+    return f"{name}.{sub} ({getattr(inner_cls, '__name__', inner_cls)})" if sub else name
 
 
 def _is_view(target) -> bool:

@@ -46,6 +46,7 @@ def interpret(script: str, tmp_path, *argv: str, timeout: int = 600) -> str:
     """Run a test script in Triton's interpreter in a fresh process (TRITON_INTERPRET is read at
     import) with its own cache dir; its exit status must be 0. Its stdout."""
     env = dict(os.environ, TRITON_INTERPRET="1", XACCEL_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", script, *argv], env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, "-c", script, *argv], env=env, capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     return proc.stdout

@@ -95,7 +95,7 @@ def test_static_inputs_without_aot_metadata_are_the_marked_tensors():
 
 def test_graphed_rest_runner_empties_its_argument_list():
     """The graph trees call the graph boxed and assert afterwards that the argument list is empty
-    (make_boxed_func left it full: an AssertionError on the H200 at the first replay)."""
+    (make_boxed_func leaves it full, which fails that assertion at the first replay)."""
     from torch_xaccel.graphed_rest import boxed_clearing
 
     gm = torch.fx.symbolic_trace(lambda a, b: torch.tanh(a) * b)
@@ -132,9 +132,9 @@ def test_modes_known_to_inductor_are_accepted():
 
 def test_graphed_rest_keeps_parameters_static():
     """Under reduce-overhead without autograd, the inputs the graph trees keep in place are the
-    module's parameters (Dynamo's marks on them), not only the lifted arguments: torch's own
-    cudagraphs backend copied every weight on each replay. Checked through the index helper while
-    a module compiles (on CPU the trees themselves skip)."""
+    module's parameters (Dynamo's marks on them), not only the lifted arguments, which is all that
+    torch's own cudagraphs backend keeps (it copies every weight on each replay). Checked through
+    the index helper while a module compiles (on CPU the trees themselves skip)."""
     from torch_xaccel import graphed_rest
 
     seen = []
@@ -162,7 +162,7 @@ def test_graphed_rest_keeps_parameters_static():
 def test_inductor_rest_sees_the_parameters_as_static(xaccel_env, monkeypatch):
     """The lowered graph carries Dynamo's metadata (backend._carry_dynamo_metadata), so Inductor
     keeps a module's weights in place under CUDA graphs, as it does without xaccel (on the
-    lowered graph alone it found no static input and would copy every weight on each replay)."""
+    lowered graph alone it finds no static input and copies every weight on each replay)."""
     import torch._inductor.compile_fx as cfx
 
     if not hasattr(cfx, "get_static_input_idxs"):

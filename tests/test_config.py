@@ -22,7 +22,9 @@ def _run(backend="xaccel"):
 
 def test_defaults():
     cfg = config.load()
-    assert (cfg.disable, cfg.fallback, cfg.log, cfg.keep_mlstm_states, cfg.backward_fusion) == (False, "eager", False, True, False)
+    assert (cfg.disable, cfg.fallback, cfg.log, cfg.mlstm_keep_states, cfg.tune, cfg.compile_threads, cfg.cutlass,
+            cfg.leave_to_inductor) == (False, "eager", False, True, True, 8, "1", True)
+    assert cfg.backward_fusion is None  # unset: the gemm_epilogue family decides (on where CUTLASS kernels run)
     assert "gemm_epilogue" in cfg.patterns
     assert str(cfg.cache_dir).endswith(".cache/torch_xaccel")
 
@@ -62,11 +64,11 @@ def test_log_prints_report(xaccel_env, capsys):
 
 
 def test_tuning_is_on_unless_switched_off(xaccel_env):
-    assert config.tuning_enabled()
+    assert config.current().tune
     xaccel_env(XACCEL_TUNE="0")
-    assert not config.tuning_enabled()
+    assert not config.current().tune  # current() follows the environment
     xaccel_env(XACCEL_TUNE="on")
-    assert config.tuning_enabled()
+    assert config.current().tune
 
 
 def test_cache_dir(xaccel_env, tmp_path):
@@ -104,10 +106,8 @@ def test_cache_dir_that_is_a_file(xaccel_env, tmp_path):
 
 @pytest.mark.parametrize("value, mode", [("", "1"), ("wait", "wait"), ("OFF", "0"), ("true", "1"), ("0", "0")])
 def test_cutlass_mode(monkeypatch, value, mode):
-    from torch_xaccel.config import cutlass_mode
-
     monkeypatch.setenv("XACCEL_CUTLASS", value)
-    assert cutlass_mode() == mode
+    assert config.load().cutlass == mode
 
 
 def test_bad_cutlass_mode_is_a_clear_error(monkeypatch):

@@ -36,7 +36,7 @@ def test_import_first_does_not_break_lookup():
         assert torch.allclose(torch.compile(f, backend="xaccel")(x, w), f(x, w))
         print(torch_xaccel.last_report().counts()["gemm_epilogue"])
     """)
-    assert out.strip() == "2"
+    assert out.strip() == "1"  # the graph compiled before the reset no longer runs: not in the report
 
 
 def test_entry_point_is_declared():

@@ -67,17 +67,39 @@ def test_report_suggests_inductor_for_many_eager_pointwise_ops(xaccel_env):
 def test_explain_names_the_kernel_each_gemm_case_runs(monkeypatch, tmp_path):
     """The tuner's decision for every GEMM case the run used, in words, with pending CUTLASS builds.
     The tuning itself is stubbed (ATen wins, two CUTLASS configs building): the plumbing is tested."""
-    from torch_xaccel.codegen import triton_gemm
+    from torch_xaccel.codegen.gemm_epilogue import triton_kernels as gemm_kernels
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets the GEMM provider take CPU tensors
     monkeypatch.setenv("XACCEL_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(triton_gemm, "_DECISIONS", {})
-    monkeypatch.setattr(triton_gemm, "_PENDING", {})
-    monkeypatch.setattr(triton_gemm, "choose", lambda case, *a: (None, [], ""))
+    monkeypatch.setattr(gemm_kernels, "_DECISIONS", {})
+    monkeypatch.setattr(gemm_kernels, "_PENDING", {})
+    monkeypatch.setattr(gemm_kernels, "choose", lambda case, *a: (None, [], ""))
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(approximate="tanh"))
     report = torch_xaccel.explain(model, torch.randn(4, 8))
-    assert report.kernel_choices == [("gemm_epilogue", "float32 M4 N16 K8: add(row) -> gelu_tanh", "ATen (cuBLAS, then the chain)")]
+    assert report.kernel_choices == [("gemm_epilogue", "float32 M4 N16 K8: add(row) -> gelu_tanh",
+                                      "ATen (cuBLAS, then the chain)")]
     assert "  kernel    gemm_epilogue  float32 M4 N16 K8: add(row) -> gelu_tanh -> ATen" in str(report)
-    assert triton_gemm.describe(("cutlass_pp", 128, 128, 64, 2, 1, 8, 0), 2) == (
+    assert gemm_kernels.describe(("cutlass_pp", 128, 128, 64, 2, 1, 8, 0), 2) == (
         "CUTLASS ping-pong 128x128x64, cluster 2x1; 2 CUTLASS configs still building (timed again once built)")
-    assert triton_gemm.describe(("tma", 128, 256, 64, 8, 8, 3, 1)) == "Triton tma 128x256x64"
+    assert gemm_kernels.describe(("tma", 128, 256, 64, 8, 8, 3, 1)) == "Triton tma 128x256x64"
+
+
+def test_last_report_forgets_graphs_from_before_a_dynamo_reset():
+    """torch._dynamo.reset() drops every compiled graph: last_report() then reports none of
+    them, and a compile after the reset counts alone."""
+    fn = lambda x, w: torch.relu(x @ w) * 2  # noqa: E731
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    torch.compile(fn, backend="xaccel")(x, w)
+    assert torch_xaccel.last_report().counts()["gemm_epilogue"] == 1
+    torch._dynamo.reset()
+    assert torch_xaccel.last_report().graphs == []
+    torch.compile(fn, backend="xaccel")(x, w)
+    assert torch_xaccel.last_report().counts()["gemm_epilogue"] == 1
+
+
+def test_where_names_the_module_when_the_model_is_an_nn_sequential():
+    """A model that is itself an nn.Sequential leaves no user frame in the stack traces: the
+    report's "where" names the module each match ran in, not an FX node name."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Sequential(nn.Linear(16, 8), nn.ReLU()))
+    report = torch_xaccel.explain(model, torch.randn(4, 8))
+    assert [r.location for r in report.replacements] == ["Sequential.0 (Linear)", "Sequential.2.0 (Linear)"]

@@ -10,7 +10,8 @@ def _p(*shape, dtype=torch.float32):
 
 
 def test_float64_gemm_is_refused_with_reason():
-    report = check_compiled(lambda x, w: F.gelu(x @ w.t()), (_p(8, 4, dtype=torch.float64), _p(6, 4, dtype=torch.float64)))
+    report = check_compiled(lambda x, w: F.gelu(x @ w.t()),
+                            (_p(8, 4, dtype=torch.float64), _p(6, 4, dtype=torch.float64)))
     assert report.counts()["gemm_epilogue"] == 0
     assert any("dtype torch.float64" in f.reason for f in report.fallbacks), str(report)
 

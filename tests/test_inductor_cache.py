@@ -36,8 +36,8 @@ def _run(tmp_path, arg: str) -> tuple[int, int]:
 
 
 def test_a_second_process_reuses_the_compiled_graph_until_the_ops_change(tmp_path):
-    """make_fx's ShapeEnv on the lowered graph, new in every process, used to enter AOTAutograd's
-    cache key: a second process always missed (torch_xaccel/inductor_cache.py)."""
+    """make_fx's ShapeEnv on the lowered graph, new in every process, stays out of AOTAutograd's
+    cache key, or a second process would always miss (torch_xaccel/inductor_cache.py)."""
     assert _run(tmp_path, "first") == (0, 1)
     assert _run(tmp_path, "second") == (1, 0)
     assert _run(tmp_path, "other-ops") == (0, 1)

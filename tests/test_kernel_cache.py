@@ -6,8 +6,7 @@ import os
 import time
 
 import pytest
-
-from torch_xaccel.codegen import cache
+from torch_xaccel.codegen import cache, tuning
 
 
 @pytest.fixture(autouse=True)
@@ -65,11 +64,11 @@ def test_fastest_records_every_candidate_and_skips_failures():
             raise RuntimeError("out of shared memory")
         return {"a": 2.0, "b": 1.0}[cfg]
     timings = []
-    assert cache.fastest("t", ["a", "broken", "b"], bench, timings=timings) == "b"
+    assert tuning.fastest("t", ["a", "broken", "b"], bench, timings=timings) == "b"
     assert [t[:2] for t in timings] == [["a", 2.0], ["broken", None], ["b", 1.0]]
     assert "out of shared memory" in timings[1][2]
     # nothing beats the incumbent: it stays
-    assert cache.fastest("t", ["a", "b"], bench, best="aten", best_ms=0.5) == "aten"
+    assert tuning.fastest("t", ["a", "b"], bench, best="aten", best_ms=0.5) == "aten"
 
 
 def test_bench_tuning_report_lists_this_runs_decisions():
@@ -79,73 +78,12 @@ def test_bench_tuning_report_lists_this_runs_decisions():
     cache.write_entry("tuning", "mlstm_fwd|bf16|torchX", {"config": {"L": 64}, "timings": [[{"L": 64}, 1.5, ""],
                                                                                           [{"L": 128}, None, "OOR"]]})
     cache.write_entry("tuning", "gemm_epilogue|k|M~16|torchX", {"config": ["ptr", 16], "timings": [
-        ["aten", 0.012, "GPU time"], [["ptr", 16], 0.015, ""], ["decided by", None, "chosen on GPU + host time per call"]]})
+        ["aten", 0.012, "GPU time"], [["ptr", 16], 0.015, ""],
+        ["decided by", None, "chosen on GPU + host time per call"]]})
     report = tuning_report(since)
     assert "`mlstm_fwd|bf16` -> {'L': 64}" in report and "1.5 ms" in report and "skipped" in report
     assert "  - chosen on GPU + host time per call" in report.splitlines()  # a note, not a skipped config
     assert tuning_report(time.time() + 10) == ""
-
-
-def test_mlstm_tuning_survives_a_default_config_that_does_not_fit(monkeypatch):
-    """The default config may not build or fit on another Triton/GPU: the first config that runs
-    becomes the reference, one that disagrees with it is skipped, the fastest agreeing one wins;
-    when none runs, an error names the phase (the runtime then falls back and reports it)."""
-    import pytest
-    import torch
-    import triton.testing
-
-    from torch_xaccel.codegen import triton_mlstm
-
-    out = torch.randn(64)
-    results = {"A": None, "B": out, "C": out * 1.5, "D": out + 1e-4}
-    times = {"B": 2.0, "C": 0.5, "D": 1.0}
-
-    def launch(cfg):
-        if results[cfg["n"]] is None:
-            raise RuntimeError("out of resource: shared memory")
-        return (results[cfg["n"]],)
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: _time_of(fn, times))
-    cands = [{"n": n} for n in "ABCD"]
-    timings = []
-    assert triton_mlstm._fastest("mlstm fwd", cands[0], cands, launch, timings) == {"n": "D"}
-    assert [t[1] for t in timings] == [None, 2.0, None, 1.0]
-    assert "differs" in timings[2][2] and "shared memory" in timings[0][2]
-    with pytest.raises(RuntimeError, match="no candidate config of mlstm fwd runs"):
-        triton_mlstm._fastest("mlstm fwd", cands[0], cands[:1], launch, [])
-
-
-def test_mlstm_tuning_reference_is_an_original_kernel(monkeypatch):
-    """A newer kernel variant listed first (the split backward, SPLIT3, is the default) is checked
-    against the first original config, not taken as the reference: a variant that disagrees
-    loses even when it is the fastest."""
-    import torch
-    import triton.testing
-
-    from torch_xaccel.codegen import triton_mlstm
-
-    out, dv = torch.randn(64), torch.randn(32)
-    # gradients (dq, dk, dv, di, df, dC0): "split" is wrong in dq; "dvbad" only in dv, the output of
-    # another kernel of the split backward; "dm0" differs only in an initial-state gradient, which
-    # cancels badly in bf16 and is not compared
-    results = {"split": (out * 2, out, dv), "dvbad": (out, out, dv * 2), "sliced": (out + 1e-4, out, dv),
-               "dm0": (out, out, dv, None, None, dv * 3), "orig": (out, out, dv)}
-    times = {"split": 0.1, "dvbad": 0.2, "dm0": 0.3, "sliced": 0.5, "orig": 1.0}
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: _time_of(fn, times))
-    cands = [{"n": "split", "DVS": 64, "DKS": 128}, {"n": "dvbad", "DVS": 64}, {"n": "sliced", "BKQ": 64},
-             {"n": "orig"}]
-    timings = []
-    got = triton_mlstm._fastest("mlstm bwd", cands[0], cands, lambda cfg: results[cfg["n"]], timings)
-    assert got == {"n": "sliced", "BKQ": 64}
-    errors = dict((t[0]["n"], t[2]) for t in timings)
-    assert "differs" in errors["split"] and "differs" in errors["dvbad"]
-    cands.insert(3, {"n": "dm0"})
-    assert triton_mlstm._fastest("mlstm bwd", cands[0], cands, lambda cfg: results[cfg["n"]], []) == {"n": "dm0"}
-
-
-def _time_of(fn, times):
-    """do_bench stand-in: the bench lambda closes over the config being timed."""
-    cfg = next(c.cell_contents for c in fn.__closure__ if isinstance(c.cell_contents, dict))
-    return times[cfg["n"]]
 
 
 def test_precompile_warms_every_candidate_and_never_raises(monkeypatch):
@@ -173,9 +111,9 @@ def test_precompile_warms_every_candidate_and_never_raises(monkeypatch):
         warmed.append(cfg)
         if cfg == "b":
             raise RuntimeError("does not compile")
-    cache.precompile(["a", "b", "c"], warmup)
+    tuning.precompile(["a", "b", "c"], warmup)
     assert warmed == ["a", "b", "c"] and entered == [True]
-    cache.precompile(["a"], warmup)  # one candidate: nothing to overlap, no pool
+    tuning.precompile(["a"], warmup)  # one candidate: nothing to overlap, no pool
     monkeypatch.setenv("XACCEL_COMPILE_THREADS", "1")  # the user's switch: one after another
-    cache.precompile(["a", "c"], warmup)
+    tuning.precompile(["a", "c"], warmup)
     assert warmed == ["a", "b", "c"]

@@ -14,16 +14,18 @@ def _map_top_level_folders_in_a_checkout() -> None:
     import os
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if importlib.util.find_spec(__name__ + ".lowering") is None and os.path.isfile(os.path.join(root, "lowering", "__init__.py")):
+    if (importlib.util.find_spec(__name__ + ".lowering") is None
+            and os.path.isfile(os.path.join(root, "lowering", "__init__.py"))):
         __path__.append(root)  # noqa: F821 - the package's own search path
 
 
 _map_top_level_folders_in_a_checkout()
 
-from . import ops  # noqa: F401  (registers torch.ops.xaccel.*)
-from .errors import XaccelConfigError, XaccelFallbackWarning
-from .explain import explain
-from .report import FAMILIES, Report, last_report
+# after the search path is set (lowering and codegen resolve through it)
+from . import ops  # noqa: E402, F401  (registers torch.ops.xaccel.*)
+from .errors import XaccelConfigError, XaccelFallbackWarning  # noqa: E402
+from .explain import explain  # noqa: E402
+from .report import FAMILIES, Report, last_report  # noqa: E402
 
 __all__ = ["explain", "Report", "FAMILIES", "last_report", "XaccelConfigError", "XaccelFallbackWarning"]
 

@@ -15,15 +15,17 @@ import warnings
 
 import torch
 
-from . import config as _config
-from . import eager_calls
-from . import ops  # noqa: F401  (registers torch.ops.xaccel.*)
+from . import (
+    config as _config,
+    eager_calls,
+    families,
+    ops,  # noqa: F401  (registers torch.ops.xaccel.*)
+)
 from .errors import XaccelFallbackWarning
 from .modes import CUDAGRAPHS, describe, rest_options, warn_inductor_only
 from .report import Fallback, new_graph_report, publish
-from .substitutions import register as _register_substitutions
 
-_register_substitutions()  # before Dynamo traces anything for this backend
+families.install_trace_hooks()  # before Dynamo traces anything for this backend
 
 
 def _pointwise_ops(g: torch.fx.GraphModule) -> int:
@@ -58,10 +60,10 @@ def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str, patch
     patches), or eagerly. Eagerly under CUDA graphs when the mode asks for them (torch's CUDA graph
     trees, with parameters kept in place: graphed_rest.py; they skip graphs with CPU tensors and
     say why). Eagerly with grad mode off (Dynamo guards on it and recompiles when it changes), the
-    ATen graph runs as it is: without autograd aot_autograd adds nothing but a second trace of the whole graph
-    (about 1 s of the 8 s first call of the 7B-width xLSTMLarge prefill on this project's CPU
-    machine) and a per-call wrapper. backward_pass (eager only): rewrites the backward graph
-    before it runs (lowering/backward.py); Inductor fuses the backward's elementwise ops itself."""
+    ATen graph runs as it is: without autograd aot_autograd adds nothing but a second trace of the
+    whole graph (a noticeable share of a large model's first call) and a per-call wrapper.
+    backward_pass (eager only): rewrites the backward graph before it runs (the families' backward
+    passes); Inductor fuses the backward's elementwise ops itself."""
     if fallback == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
@@ -89,20 +91,24 @@ def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str, patch
 
 
 def _backward_pass(cfg, report):
-    """The backward graph's GEMM chains (XACCEL_BACKWARD_FUSION; default on where CUTLASS kernels run, and the
-    gemm_epilogue family enabled). It runs at the first backward call: a failure there is reported and the
-    backward graph runs as traced, as a forward failure would."""
-    if not (cfg.backward_fusion and "gemm_epilogue" in cfg.patterns):
+    """The families' passes over the backward graph (families.py; the gemm_epilogue family's GEMM
+    chains, XACCEL_BACKWARD_FUSION), or None when none applies. They run at the first backward
+    call: a failure there is reported and the backward graph runs as traced, as a forward failure
+    would."""
+    passes = [p for p in (families.resolve(f.backward_pass)(cfg) for f in families.FAMILIES if f.backward_pass) if p]
+    if not passes:
         return None
 
     def fuse(g: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        from .lowering import backward
-
         try:
-            return backward.run(copy.deepcopy(g), report)
+            fused = copy.deepcopy(g)
+            for run in passes:
+                fused = run(fused, report)
+            return fused
         except Exception as e:  # noqa: BLE001 - never fail because of xaccel
             report.fallbacks.append(Fallback("backend", f"backward graph: {type(e).__name__}: {e}; ran it as traced"))
-            warnings.warn(f"xaccel: backward pass failed ({type(e).__name__}: {e}); running the backward graph as traced",
+            warnings.warn(f"xaccel: backward pass failed ({type(e).__name__}: {e}); "
+                          "running the backward graph as traced",
                           XaccelFallbackWarning, stacklevel=2)
             return g
     return fuse
@@ -110,7 +116,7 @@ def _backward_pass(cfg, report):
 
 def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **options):
     """torch.compile(..., backend="xaccel"[, mode=..., options=...]); see modes.py for the mode."""
-    _register_substitutions()  # a library imported after the backend loaded: its next trace
+    families.install_trace_hooks()  # a library imported after the backend loaded: its next trace
     cfg = _config.load()
     patches = rest_options(options)  # an unknown mode or option raises, like an invalid XACCEL_* value
     if cfg.fallback == "eager":
@@ -122,14 +128,14 @@ def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **options):
         if cfg.disable:
             report.disabled = True
             return gm.forward
-        from .lowering import run_passes
+        from .lowering import PassContext, run_passes
         from .lowering.normalize import to_aten
 
         training = torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
         aten_gm = to_aten(gm, example_inputs)
         aten_gm.meta["xaccel_example_inputs"] = example_inputs  # real values, for checks of cached constants
-        lowered = run_passes(aten_gm, cfg.patterns, report, training, cfg.keep_mlstm_states)
+        lowered = run_passes(aten_gm, PassContext(cfg, report, training))
         if cfg.fallback == "eager":  # only the eager fallback leaves them unfused (the report's hint)
             report.eager_pointwise = _pointwise_ops(lowered)
         if not report.replacements:

@@ -4,7 +4,7 @@
 
 Prints one table (xaccel, eager, Inductor default, Inductor max-autotune, the cuBLAS matmuls
 alone) with times, TFLOP/s and ratios, checks xaccel against an fp32 reference, and writes
-DIR/bench_<suite>.md and DIR/bench_<suite>.png. Later suites (mlstm, slstm, model) plug in here.
+DIR/bench_<suite>.md and DIR/bench_<suite>.png. Further suites (slstm) plug in here.
 """
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
+from torch_xaccel.codegen import tuning
+
 
 @dataclass
 class Case:
@@ -29,14 +31,14 @@ class Case:
     flop: float
     make: Callable  # () -> (fn, args, cublas_only_fn)
     train: bool = False
-    runner: str = "compile"  # "compile": eager vs torch.compile; "mlstm"/"decode": op-level kernels; "model": xLSTMLarge
+    # "compile": eager vs torch.compile; "mlstm"/"decode": op-level kernels; "model": xLSTMLarge
+    runner: str = "compile"
     graphs: bool = False  # also time CUDA-graph replays (decode shapes: CPU launch cost hidden)
     rows: list = field(default_factory=list)
 
 
-# do_bench's warmup and rep are milliseconds, not calls. The earlier 10 / 50 ms (train) and 25 / 100
-# ms timed one call of a 90-130 ms model train step (a "median" of one) and 3 of a prefill. Now:
-# >= 2 warm-up and >= 7 timed calls of a 130 ms step, >= 10 of a 27 ms prefill.
+# do_bench's warmup and rep are milliseconds, not calls: budgets long enough that even a whole-model
+# train step gets several warm-up and timed calls (a median over more than one; tests/test_bench.py)
 BENCH_WARMUP_MS = {True: 300, False: 50}
 BENCH_REP_MS = {True: 1000, False: 300}
 
@@ -67,10 +69,9 @@ HEAT_S = 2.0
 
 
 def _heat(fn, seconds: float = HEAT_S) -> None:
-    """Run fn for `seconds` before the first timing of a case. An idle H200 boosts its clocks
-    for the first GEMMs and throttles under sustained load: measured first, cuBLAS alone timed
-    2.72 ms at M16384 K4096 N16384 and 3.40 ms twenty timings later in the same process (tenth
-    session), which skewed every ratio against the rows measured after it."""
+    """Run fn for `seconds` before the first timing of a case. An idle GPU boosts its clocks for
+    the first GEMMs and throttles under sustained load: a row timed first, cold, would run faster
+    than the rows after it and skew every ratio against them."""
     if not torch.cuda.is_available():
         return
     torch.cuda.synchronize()
@@ -173,7 +174,8 @@ def mlp_train(M, d=2048, h=8192, layers=4):
                     y = hid @ ws[i + 1].t()
                     _ = y @ ws[i + 1], y.t() @ hid, hid @ ws[i], hid.t() @ x
         return f, (x,), cublas, step
-    return Case(f"train step {layers}-layer MLP M{M} {d}->{h}->{d} (fwd+bwd)", 3 * 2 * M * d * h * 2 * layers, make, train=True)
+    return Case(f"train step {layers}-layer MLP M{M} {d}->{h}->{d} (fwd+bwd)", 3 * 2 * M * d * h * 2 * layers, make,
+                train=True)
 
 
 def mlstm_fwd(B, NH, S, DK, DV):
@@ -194,7 +196,8 @@ def mlstm_decode(B, NH=8, DK=256, DV=512):
     def make():
         g = torch.Generator(device="cuda").manual_seed(0)
         mk = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
-        return ([mk(B, NH, DK).bfloat16(), mk(B, NH, DK).bfloat16(), mk(B, NH, DV).bfloat16(), mk(B, NH), mk(B, NH) + 3],
+        return ([mk(B, NH, DK).bfloat16(), mk(B, NH, DK).bfloat16(), mk(B, NH, DV).bfloat16(), mk(B, NH),
+                 mk(B, NH) + 3],
                 [mk(B, NH, DK, DV) * .1, mk(B, NH, DK) * .1, mk(B, NH)])
     floor_bytes = B * NH * (2 * DK * DV * 4 + 2 * DK * 4)  # read and write the fp32 state once
     return Case(f"mLSTM decode step B{B} NH{NH} DQK{DK} DV{DV}", floor_bytes, make, runner="decode")
@@ -253,11 +256,12 @@ def run_mlstm_case(case: Case) -> list:
 
     with torch.no_grad():
         sub = [t[:1, :2] for t in (q, k, v, i, f)]
-        want = reference(*(t.double() for t in sub))[0]
+        want = reference.forward(*(t.double() for t in sub))[0]
         got = torch.ops.xaccel.mlstm(*sub, None, None, None, 1e-6, 64)[0]
         err = ((got.double() - want).norm() / want.norm()).item()
-        add("xaccel (Triton chunkwise fwd)", _bench(lambda: torch.ops.xaccel.mlstm(q, k, v, i, f, None, None, None, 1e-6, 64),
-                                                   False), f"rel err vs fp64 reference (B1 NH2 slice) {err:.1e}")
+        add("xaccel (Triton chunkwise fwd)",
+            _bench(lambda: torch.ops.xaccel.mlstm(q, k, v, i, f, None, None, None, 1e-6, 64), False),
+            f"rel err vs fp64 reference (B1 NH2 slice) {err:.1e}")
     leaves = [t.detach().requires_grad_() for t in (q, k, v, i, f)]
     qg, kg, vg, ig, fg = leaves
 
@@ -280,7 +284,8 @@ def run_mlstm_case(case: Case) -> list:
             from mlstm_kernels.torch import get_mlstm_kernel
 
             kern = get_mlstm_kernel("chunkwise--triton_limit_chunk")
-            add("xLSTM library triton_limit_chunk (64)", _bench(lambda: kern(q=q, k=k, v=v, i=i, f=f, chunk_size=64), False))
+            add("xLSTM library triton_limit_chunk (64)",
+                _bench(lambda: kern(q=q, k=k, v=v, i=i, f=f, chunk_size=64), False))
             with torch.enable_grad():
                 def lib_fwd_bwd():
                     h = kern(q=qg, k=kg, v=vg, i=ig, f=fg, chunk_size=64)
@@ -340,7 +345,8 @@ def run_model_case(case: Case) -> list:
         # CUDA graph trees inside the compiled function: decode rows (the default --paths skips them
         # for prefill and train, which are not launch-bound)
         "native kernels + xaccel, mode=reduce-overhead": (native, {"XACCEL_FALLBACK": "eager"}, ro),
-        "native kernels + xaccel, rest by Inductor, mode=reduce-overhead": (native, {"XACCEL_FALLBACK": "inductor"}, ro),
+        "native kernels + xaccel, rest by Inductor, mode=reduce-overhead":
+            (native, {"XACCEL_FALLBACK": "inductor"}, ro),
     }
     for name, (kernels, env, kwargs) in configs.items():
         with mock.patch.dict(os.environ, env):  # restored afterwards, unset ones removed again
@@ -355,10 +361,10 @@ def _settle_cutlass(run) -> str:
     """After a cold first call with XACCEL_CUTLASS=1, CUTLASS kernels build in the background and
     their cases retune at a later call: wait for the builds, then retune in one untimed call, so
     the timing that follows is the steady state (and not a retune inside do_bench's warm-up)."""
-    from torch_xaccel.codegen import triton_gemm
+    from torch_xaccel.codegen.gemm_epilogue import triton_kernels as gemm_kernels
 
     t0 = time.perf_counter()
-    cases = triton_gemm.settle()
+    cases = gemm_kernels.settle()
     if not cases:
         return ""
     run()
@@ -456,11 +462,12 @@ def _model_config_rows(name, kernels, dims, dev, tokens, add, compile_kwargs) ->
 PATHS = ""  # --paths: a regular expression; the model suite runs only the rows whose label it finds
 
 SUITES = {
-    "gemm": lambda quick: ([gelu_residual(4096 if quick else 16384), gelu_residual(128), swiglu(4096 if quick else 16384),
-                            mlp_train(4096 if quick else 16384)]),
+    "gemm": lambda quick: ([gelu_residual(4096 if quick else 16384), gelu_residual(128),
+                            swiglu(4096 if quick else 16384), mlp_train(4096 if quick else 16384)]),
     "model": lambda quick: [xlstm_model(quick=quick) if not quick else
                             xlstm_model(B=2, S=512 if torch.cuda.is_available() else 128, quick=True)],
-    "mlstm": lambda quick: [mlstm_fwd(8, 16, 2048 if quick else 8192, 128, 128), mlstm_fwd(8, 8, 1024 if quick else 4096, 256, 512),
+    "mlstm": lambda quick: [mlstm_fwd(8, 16, 2048 if quick else 8192, 128, 128),
+                            mlstm_fwd(8, 8, 1024 if quick else 4096, 256, 512),
                             mlstm_decode(1), mlstm_decode(8)],
 }
 
@@ -485,9 +492,7 @@ def run_case(case: Case, max_autotune: bool) -> list:
     add("cuBLAS matmuls alone", _bench(cublas, case.train))
     back_to_back = not case.train and not case.graphs and torch.cuda.is_available()
     if back_to_back:  # diagnostic: GPU time alone, to tell kernel time from per-call CPU cost
-        from torch_xaccel.codegen.triton_gemm import _gpu_ms
-
-        add("cuBLAS alone, back to back", _gpu_ms(cublas), GPU_TIME_NOTE)
+        add("cuBLAS alone, back to back", tuning.gpu_ms(cublas), GPU_TIME_NOTE)
     add("eager", _bench(step(fn), case.train))
     paths = [("xaccel", dict(backend="xaccel")), ("inductor default", dict())]
     if max_autotune and not case.train:
@@ -497,11 +502,11 @@ def run_case(case: Case, max_autotune: bool) -> list:
 
     if case.graphs:
         add("eager, CUDA graph", _bench(graphed(fn), False))
-    from torch_xaccel.codegen import triton_gemm
+    from torch_xaccel.codegen.gemm_epilogue import triton_kernels as gemm_kernels
 
     for path, kw in paths:
         torch._dynamo.reset()
-        before = dict(triton_gemm._DECISIONS)
+        before = dict(gemm_kernels._DECISIONS)
         try:
             compiled = torch.compile(fn, **kw)
             t0 = time.perf_counter()
@@ -516,12 +521,12 @@ def run_case(case: Case, max_autotune: bool) -> list:
             if path == "xaccel":
                 from torch_xaccel.report import last_report
                 extra += f", replaced {last_report(1).counts()['gemm_epilogue']}"
-                picked = [("ATen" if v is None else "/".join(map(str, v))) for k, v in triton_gemm._DECISIONS.items()
+                picked = [("ATen" if v is None else "/".join(map(str, v))) for k, v in gemm_kernels._DECISIONS.items()
                           if k not in before]
                 extra += f", kernels: {'; '.join(picked) or 'cached'}"
             add(path, _bench(step(compiled), case.train), extra)
             if back_to_back and path == "xaccel":
-                add("xaccel, back to back", _gpu_ms(step(compiled)), GPU_TIME_NOTE)
+                add("xaccel, back to back", tuning.gpu_ms(step(compiled)), GPU_TIME_NOTE)
             if case.graphs and path == "xaccel":
                 add("xaccel, CUDA graph", _bench(graphed(compiled), False))
         except Exception as e:  # noqa: BLE001 - a failing path is a finding, not a crash
@@ -537,10 +542,12 @@ def run_case(case: Case, max_autotune: bool) -> list:
 
 
 def markdown(rows, header: str) -> str:
-    out = [header, "", "| case | path | ms | TFLOP/s (GB/s of floor for mLSTM) | x first row | x xaccel | notes |", "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    out = [header, "", "| case | path | ms | TFLOP/s (GB/s of floor for mLSTM) | x first row | x xaccel | notes |",
+           "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         vx = f"{r['vs_xaccel']:.2f}" if r["vs_xaccel"] else "-"
-        out.append(f"| {r['case']} | {r['path']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['vs_cublas']:.3f} | {vx} | {r['extra']} |")
+        out.append(f"| {r['case']} | {r['path']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['vs_cublas']:.3f} | {vx} "
+                   f"| {r['extra']} |")
     return "\n".join(out) + "\n"
 
 
@@ -574,7 +581,9 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="smaller shapes")
     p.add_argument("--no-max-autotune", action="store_true")
     p.add_argument("--only", default="", help="run only the cases whose name contains this text")
-    p.add_argument("--paths", default="", help="model suite: only the rows whose label ('<configuration>, <prefill|train step|decode B1|decode B8>') "
+    p.add_argument("--paths", default="",
+                   help="model suite: only the rows whose label "
+                   "('<configuration>, <prefill|train step|decode B1|decode B8>') "
                    "this regular expression finds")
     args = p.parse_args(argv)
     global PATHS
@@ -596,9 +605,11 @@ def main(argv=None) -> int:
     torch._dynamo.config.cache_size_limit = 64
     gpu = "CPU smoke run, timings meaningless" if smoke else torch.cuda.get_device_name()
     # the device machine gets a copy of the tree without .git: pass XACCEL_COMMIT from the checkout
-    commit = os.environ.get("XACCEL_COMMIT") or os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip() or "unknown"
-    header = (f"{args.suite}: {time.strftime('%Y-%m-%d')}, {gpu}, torch {torch.__version__}, triton {triton.__version__}, "
-              f"commit {commit}; bf16, median of triton.testing.do_bench; XACCEL_CUTLASS={os.environ.get('XACCEL_CUTLASS', '1')}")
+    commit = (os.environ.get("XACCEL_COMMIT") or os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip()
+              or "unknown")
+    header = (f"{args.suite}: {time.strftime('%Y-%m-%d')}, {gpu}, torch {torch.__version__}, "
+              f"triton {triton.__version__}, commit {commit}; bf16, median of triton.testing.do_bench; "
+              f"XACCEL_CUTLASS={os.environ.get('XACCEL_CUTLASS', '1')}")
     print(header)
     started = time.time()
     rows = []
@@ -627,7 +638,7 @@ def main(argv=None) -> int:
 def tuning_report(since: float) -> str:
     """Every tuning decision written since `since`: each candidate's time (or why it was
     skipped), so a benchmark run also says which kernel variant won and by how much."""
-    from codegen import cache
+    from torch_xaccel.codegen import cache
 
     lines = []
     for path in sorted((cache.root() / "tuning").glob("*.json"), key=os.path.getmtime):
@@ -636,7 +647,8 @@ def tuning_report(since: float) -> str:
         try:
             data = json.loads(path.read_text())
             key, value = data["key"], data["value"]
-            rows = [f"  - {why}" if cfg == "decided by" else f"  - {ms if ms is not None else 'skipped'} ms  {cfg}  {why}".rstrip()
+            rows = [f"  - {why}" if cfg == "decided by"
+                    else f"  - {ms if ms is not None else 'skipped'} ms  {cfg}  {why}".rstrip()
                     for cfg, ms, why in value.get("timings", [])]
             lines += [f"- `{key.split('|torch')[0]}` -> {value.get('config')}", *rows]
         except (OSError, ValueError, KeyError, TypeError, AttributeError):

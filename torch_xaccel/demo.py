@@ -40,7 +40,7 @@ class SwiGLU(nn.Module):
 
 
 def mlstm_parallel(q, k, v, i, f, eps: float = 1e-6):
-    """The stabilized parallel mLSTM as a user would write it (see ../shared/ANCHORS.md)."""
+    """The stabilized parallel mLSTM as a user would write it (the formula in docs/architecture.md)."""
     S, D = q.shape[-2], q.shape[-1]
     Fc = torch.cumsum(F.logsigmoid(f), dim=-1)
     mask = torch.tril(torch.ones(S, S, dtype=torch.bool, device=q.device))
@@ -57,7 +57,8 @@ class MLSTMBlock(nn.Module):
     def __init__(self, d: int, heads: int = 4):
         super().__init__()
         self.h, self.norm = heads, nn.LayerNorm(d)
-        self.qkv, self.gates, self.out = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, 2 * heads), nn.Linear(d, d, bias=False)
+        self.qkv, self.gates, self.out = (nn.Linear(d, 3 * d, bias=False), nn.Linear(d, 2 * heads),
+                                          nn.Linear(d, d, bias=False))
 
     def forward(self, x):
         B, S, d = x.shape
@@ -72,7 +73,8 @@ class DemoModel(nn.Module):
     def __init__(self, d: int = 64, layers: int = 2, vocab: int = 101):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(m for _ in range(layers) for m in (MLSTMBlock(d), SwiGLU(d, 4 * d), GeluMLP(d, 4 * d)))
+        self.blocks = nn.ModuleList(m for _ in range(layers)
+                                    for m in (MLSTMBlock(d), SwiGLU(d, 4 * d), GeluMLP(d, 4 * d)))
         self.head = nn.Linear(d, vocab)
 
     def forward(self, tokens):

@@ -3,19 +3,18 @@ common ATen ops through the torch function that binds to the same overload (`tor
 `aten.mul.Tensor`).
 
 Why: FX emits `torch.ops.aten.mul.Tensor(...)`, an OpOverload call: an attribute chain, a Python
-frame and the dispatcher's boxed path, 0.4-1.4 us more per call than `torch.mul`'s parsed binding
-on this project's CPU machine. A decoded token of the 7B-width xLSTMLarge runs ~250 ATen calls,
-and plain decode is host-bound, so that overhead is the token's latency. Only the overloads in
-FAST_CALLS are rewritten, and only when a node passes no keyword arguments other than the ones
-listed: tests/test_eager_calls.py checks for each entry that the torch function reaches the same
-ATen overload and gives the same result. Every other node keeps its OpOverload.
+frame and the dispatcher's boxed path, host time per call that `torch.mul`'s parsed binding does
+not pay. A decoded token runs hundreds of ATen calls, and plain decode is host-bound, so that
+overhead adds up to the token's latency. Only the overloads in FAST_CALLS are rewritten, and
+only when a node passes no keyword arguments other than the ones listed: tests/test_eager_calls.py
+checks for each entry that the torch function reaches the same ATen overload and gives the same
+result. Every other node keeps its OpOverload.
 """
 from __future__ import annotations
 
 import torch
 
 aten = torch.ops.aten
-ENABLED = True  # False: only the xaccel ops go direct (the A/B of the host time FAST_CALLS saves)
 
 
 def _same_name(overload: str, *names: str) -> dict:
@@ -61,7 +60,7 @@ def rewrite(g: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if node.target in DIRECT_CALLS:
             node.target = DIRECT_CALLS[node.target]
             continue
-        fast = FAST_CALLS.get(node.target) if ENABLED else None
+        fast = FAST_CALLS.get(node.target)
         if fast is not None and set(node.kwargs) <= fast[1]:
             node.target = fast[0]
     g.recompile()

@@ -1,7 +1,6 @@
 """torch_xaccel.explain: what the backend would do with a model on given inputs."""
 from __future__ import annotations
 
-
 from . import runtime
 from .report import Fallback, Report, collect
 
@@ -13,9 +12,9 @@ def explain(model, *args, **kwargs) -> Report:
 
     Like torch._dynamo.explain, this resets Dynamo's caches before and after (models compiled
     earlier recompile on their next call)."""
-    from .backend import xaccel_backend
-
     import torch._dynamo
+
+    from .backend import xaccel_backend
 
     breaks = torch._dynamo.explain(model)(*args, **kwargs).break_reasons
     n_events = len(runtime.EVENTS)

@@ -2,14 +2,13 @@
 
 torch's `cudagraphs` backend treats only the arguments that aot_autograd lifted as static. With nn
 modules inlined (torch's default) a model's parameters are ordinary graph inputs, so it copies
-every weight into the graph's own buffers before each replay: the 7B-width xLSTMLarge decoded a
-token in 2.47 ms that way, against 1.05 ms for a hand-captured graph of the same compiled model
-(H200; 40 non-static inputs counted for the 2-block test model). For graphs without autograd
-(decoding, inference) this module graphs the inference graph itself and keeps static what
-aot_autograd lists as static (the backend carries Dynamo's metadata to the lowered graph for
-it), or, where that list is missing, what Dynamo marked on the tensors themselves (parameters
-and buffers of inlined modules, `_dynamo_static_input_type`): as Inductor keeps them. The graph
-trees re-record if one of them moves. Graphs with autograd keep torch's backend.
+every weight into the graph's own buffers before each replay, which makes a graphed decode step
+much slower than a hand-captured graph of the same model (docs/benchmarks.md). For graphs without
+autograd (decoding, inference) this module graphs the inference graph itself and keeps static
+what aot_autograd lists as static (the backend carries Dynamo's metadata to the lowered graph for
+it), or, where that list is missing, what Dynamo marked on the tensors themselves (parameters and
+buffers of inlined modules, `_dynamo_static_input_type`): as Inductor keeps them. The graph trees
+re-record if one of them moves. Graphs with autograd keep torch's backend.
 """
 from __future__ import annotations
 
@@ -62,7 +61,12 @@ def _lifted(n_dynamo: int, n_aot: int) -> int:
 
 
 def _graphed(aot_gm: torch.fx.GraphModule, aot_inputs: list, example_inputs: list):
-    from torch._dynamo.backends.cudagraphs import check_for_skip, find_input_mutations, get_device_index, get_stack_traces
+    from torch._dynamo.backends.cudagraphs import (
+        check_for_skip,
+        find_input_mutations,
+        get_device_index,
+        get_stack_traces,
+    )
     from torch._inductor.cudagraph_trees import cudagraphify_impl
     from torch._inductor.cudagraph_utils import get_placeholder_info, log_cudagraph_skip_and_bump_counter
 

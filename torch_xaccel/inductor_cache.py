@@ -2,11 +2,11 @@
 
 - Hits across processes: make_fx leaves its ShapeEnv on the GraphModule (`gm.shape_env`) and the
   passes read the real example inputs from `gm.meta`; AOTAutograd's cache pickles both into its
-  key, and a new ShapeEnv per process made every second process miss (CPU, 4 xLSTM blocks: a warm
-  first call 3.98 s, 3.15 s with both dropped; sixteenth session). Dropped before Inductor runs.
+  key, and a ShapeEnv is new in every process, so no other process would ever hit. Dropped before
+  Inductor runs.
 - No stale hits: the graph calls torch.ops.xaccel.* by name, so a cached graph would keep the
   output shapes and strides that an older version of those ops' fake functions promised. A no-op
-  post-grad pass whose uuid is the digest of torch_xaccel/ops/*.py puts them into Inductor's keys.
+  post-grad pass whose uuid is the digest of torch_xaccel/ops/ puts them into Inductor's keys.
 """
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ except ImportError:  # a torch without custom-pass uuids: no ops key (the ShapeE
 def ops_digest() -> str:
     """sha256 of the op modules' sources (schemas, fake functions, autograd formulas)."""
     h = hashlib.sha256()
-    for path in sorted((Path(__file__).parent / "ops").glob("*.py")):
-        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    root = Path(__file__).parent / "ops"
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
 
 

@@ -1,12 +1,12 @@
 """torch.compile's `mode=` and `options=` for the xaccel backend.
 
-`torch.compile(model, backend="xaccel", mode="reduce-overhead")` passes the mode to the backend;
-the backend used to ignore it silently. The modes mean what they mean for Inductor: they become
-Inductor config patches (`torch._inductor.list_mode_options`), applied to the rest of the graph
-when XACCEL_FALLBACK=inductor. With the eager fallback only CUDA graphs have a meaning: the
-lowered graph then runs under torch's CUDA graph trees (as the `cudagraphs` backend does), which
-removes the per-call Python and launch cost that dominates decoding. An unknown mode or option
-raises here, like an invalid XACCEL_* value: a typo must not pass for a setting.
+`torch.compile(model, backend="xaccel", mode="reduce-overhead")` passes the mode to the backend.
+The modes mean what they mean for Inductor: they become Inductor config patches
+(`torch._inductor.list_mode_options`), applied to the rest of the graph when
+XACCEL_FALLBACK=inductor. With the eager fallback only CUDA graphs have a meaning: the lowered
+graph then runs under torch's CUDA graph trees (as the `cudagraphs` backend does), which removes
+the per-call Python and launch cost that dominates decoding. An unknown mode or option raises
+here, like an invalid XACCEL_* value: a typo must not pass for a setting.
 """
 from __future__ import annotations
 

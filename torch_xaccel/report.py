@@ -6,7 +6,9 @@ import textwrap
 from collections import deque
 from dataclasses import dataclass, field
 
-FAMILIES = ("gemm_epilogue", "mlstm", "mlstm_step", "slstm")
+from .families import REPORT_KEYS
+
+FAMILIES = REPORT_KEYS  # counts() keys, in order (families.py)
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class GraphReport:
     patterns: tuple[str, ...] = ()
     eager_pointwise: int = 0  # pointwise ATen ops left outside the replaced patterns
     settings: str = ""  # torch.compile's mode=/options= as applied, for the report (modes.describe)
+    generation: int = 0  # Dynamo's reset generation it was compiled in (last_report drops older ones)
 
 
 POINTWISE_HINT = 16  # from this many eager pointwise ops on, the report suggests Inductor for the rest
@@ -73,9 +76,9 @@ class Report:
         left = sum(g.eager_pointwise for g in self.graphs if g.fallback_backend == "eager")
         if left >= POINTWISE_HINT:
             lines.append(f"  hint: {left} pointwise ops outside the replaced patterns run eagerly, one kernel each; "
-                         "XACCEL_FALLBACK=inductor fuses them (7B-width xLSTMLarge on an H200: prefill -17 %, "
-                         "train step -17 %; the compile takes longer)")
-        rows = [("replaced", r.family, r.pattern + (f"  [{r.note}]" if r.note else ""), r.location) for r in self.replacements]
+                         "XACCEL_FALLBACK=inductor fuses them (faster steps, a longer compile; docs/benchmarks.md)")
+        rows = [("replaced", r.family, r.pattern + (f"  [{r.note}]" if r.note else ""), r.location)
+                for r in self.replacements]
         rows += [("fallback", f.family, f.reason, f.location) for f in self.fallbacks]
         rows += [("runtime", e.op, f"{e.reason} [kernel {e.provider.rsplit('.', 1)[-1]}]", e.key[:40])
                  for e in self.runtime_fallbacks]
@@ -86,7 +89,8 @@ class Report:
 
             def fmt(r):  # long details wrap onto continuation lines instead of being cut
                 parts = textwrap.wrap(str(r[2]), widths[2]) or [""]
-                first = "  " + "  ".join(str(c).ljust(w) for c, w in zip((r[0], r[1], parts[0]), widths)) + "  " + str(r[3])
+                first = ("  " + "  ".join(str(c).ljust(w) for c, w in zip((r[0], r[1], parts[0]), widths))
+                         + "  " + str(r[3]))
                 pad = " " * (widths[0] + widths[1] + 6)
                 return [first] + [pad + p for p in parts[1:]]
 
@@ -98,6 +102,31 @@ class Report:
 RECENT: deque[GraphReport] = deque(maxlen=64)
 _COLLECTORS: list[list[GraphReport]] = []
 _counter = 0
+_generation = 0
+
+
+def _reset_marker(*args, **kwargs) -> None:
+    """A no-op Dynamo compile-start callback: torch._dynamo.reset() clears every callback, so
+    while this one is registered no reset has happened since it was."""
+
+
+def _dynamo_generation(after_compile: bool) -> int:
+    """Counts torch._dynamo.reset() calls seen: after_compile (a graph was just compiled) starts a
+    new generation when a reset happened since the last one; otherwise a reset since the last
+    compile makes every kept graph stale (the generation past the current one)."""
+    global _generation
+    try:
+        from torch._dynamo.callback import callback_handler
+        registered = _reset_marker in callback_handler.start_callbacks
+    except (ImportError, AttributeError):  # a torch without compile callbacks: nothing is dropped
+        return _generation
+    if registered:
+        return _generation
+    if not after_compile:
+        return _generation + 1
+    _generation += 1
+    callback_handler.register_start_callback(_reset_marker)
+    return _generation
 
 
 def new_graph_report() -> GraphReport:
@@ -107,6 +136,7 @@ def new_graph_report() -> GraphReport:
 
 
 def publish(report: GraphReport) -> None:
+    report.generation = _dynamo_generation(after_compile=True)
     RECENT.append(report)
     for c in _COLLECTORS:
         c.append(report)
@@ -123,6 +153,8 @@ def collect():
 
 
 def last_report(n_graphs: int | None = None) -> Report:
-    """Report over the most recent compiles (all kept ones by default)."""
-    graphs = list(RECENT)
+    """Report over the most recent compiles (all kept ones by default) since the last
+    torch._dynamo.reset(): graphs compiled before a reset no longer run."""
+    generation = _dynamo_generation(after_compile=False)
+    graphs = [g for g in RECENT if g.generation == generation]
     return Report(graphs=graphs[-n_graphs:] if n_graphs else graphs)

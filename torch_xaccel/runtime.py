@@ -1,9 +1,11 @@
-"""Picks how an xaccel op runs on a device: a registered fast kernel, else the op's reference.
+"""Picks how an xaccel op runs: a kernel provider that takes the case, else the op's reference.
 
-Kernel providers are registered per op by the codegen modules. A provider returns NotImplemented
-for a case it does not cover; if it raises, the error is recorded, a warning is shown once, the
-provider is not tried again for that case, and the reference (ATen composition) runs instead, so
-a broken kernel costs speed, never a wrong answer or a crash.
+The providers are the families' (families.py), named there by module path and imported at the
+first call that can run a kernel (a CUDA tensor, or anywhere under Triton's interpreter), so the
+ops never import codegen and a CPU-only run never loads Triton. Tests may register callables too.
+A provider returns NotImplemented for a case it does not cover; if it raises (or cannot be
+imported), the error is recorded, a warning is shown once, the provider is not tried again for
+that case, and the reference runs instead: a broken kernel costs speed, never a wrong answer.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from . import families
 from .errors import XaccelFallbackWarning
 
 
@@ -25,7 +28,30 @@ class RuntimeFallback:
     reason: str
 
 
-_PROVIDERS: dict[str, list[Callable]] = {}
+class _Provider:
+    """A provider callable, or a families.py path resolved on the first call that can run it."""
+
+    __slots__ = ("name", "fn", "path")
+
+    def __init__(self, fn: Callable | None = None, path: str | None = None):
+        self.fn, self.path = fn, path
+        self.name = path or getattr(fn, "__qualname__", None) or repr(fn)
+
+    def takes(self, args) -> bool:
+        """A family's kernels run on CUDA tensors or under the interpreter; a registered callable
+        decides for itself."""
+        if self.path is None:
+            return True
+        t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        return t is not None and kernels_can_run(t)
+
+    def __call__(self, key, *args):
+        if self.fn is None:
+            self.fn = families.resolve(self.path)
+        return self.fn(key, *args)
+
+
+_PROVIDERS: dict[str, list[_Provider]] = {}
 # Kernel choices, for reports: case key -> (op, case label, what runs). Providers set them when they
 # decide; while explain() runs, SEEN collects the keys of the cases its run actually used.
 CHOICES: dict = {}
@@ -41,7 +67,6 @@ def note_use(key) -> None:
     if SEEN is not None:
         SEEN.add(key)
 _BROKEN: set[tuple[str, str, tuple]] = set()
-_NAMES: dict = {}  # provider -> its name in reports (taken at registration: dispatch runs per op call)
 EVENTS: list[RuntimeFallback] = []
 
 
@@ -61,26 +86,33 @@ def kernels_can_run(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" or interpreting()
 
 
+def _providers(op: str) -> list[_Provider]:
+    found = _PROVIDERS.get(op)
+    if found is None:
+        found = _PROVIDERS[op] = [_Provider(path=p) for p in families.provider_paths(op)]
+    return found
+
+
 def register_provider(op: str, provider: Callable) -> None:
-    """provider(key, *args) -> result | NotImplemented; `key` (hashable) names the case: device,
-    dtype, shapes."""
-    _PROVIDERS.setdefault(op, []).append(provider)
-    _NAMES[provider] = getattr(provider, "__qualname__", None) or repr(provider)
+    """provider(key, *args) -> result | NotImplemented, tried after the family's own; `key`
+    (hashable) names the case: device, dtype, shapes."""
+    _providers(op).append(_Provider(fn=provider))
 
 
 def unregister_provider(op: str, provider: Callable) -> None:
-    _PROVIDERS.get(op, []).remove(provider)
+    found = _providers(op)
+    found.remove(next(p for p in found if p.fn is provider and p.path is None))
 
 
 def dispatch(op: str, key_fn: Callable[..., tuple], reference: Callable, *args):
     """Run the first provider that takes the case, else `reference(*args)`.
 
-    key_fn(*args) names the case; it is only evaluated when a provider exists.
+    key_fn(*args) names the case; it is only evaluated when a provider may run.
     """
-    providers = _PROVIDERS.get(op, ())
+    providers = [p for p in _providers(op) if p.takes(args)]
     key = key_fn(*args) if providers else ()
     for provider in providers:
-        name = _NAMES[provider]
+        name = provider.name
         if _BROKEN and (op, name, key) in _BROKEN:
             continue
         try:

@@ -1,15 +1,21 @@
 """The torch.ops.xaccel.* custom ops: the contract between lowering, runtime and ONNX export.
 
-Each module defines one op: its reference (the op's only semantics, and the CPU path), its fake
-(shape) function and its autograd formula.
+Each family's package here (`ops/<family>/`) registers its ops: the schema, the one reference
+(the op's only semantics, its CPU path and the kernels' test oracle), the fake (shape) function
+and the autograd formula. Kernels are not imported here: the runtime finds them (families.py).
 """
-import torch
+from __future__ import annotations
 
-from . import gemm_epilogue  # noqa: F401  (registers torch.ops.xaccel.gemm_epilogue)
-from . import mlstm, mlstm_step  # noqa: F401  (torch.ops.xaccel.mlstm, torch.ops.xaccel.mlstm_step)
+import importlib
 
-# op overload -> the plain function behind it. A compiled forward graph runs with autograd
-# already handled by aot_autograd, so it may call these directly and skip the custom-op
-# dispatch (tens of microseconds a call: it decides whether decode-size GEMMs pay off).
-DIRECT_CALLS = {torch.ops.xaccel.gemm_epilogue.default: gemm_epilogue.run,
-                torch.ops.xaccel.mlstm_step.default: mlstm_step.run}
+from .. import families
+
+families.import_ops()
+
+# op overload -> the plain function behind it. A compiled forward graph runs with autograd already
+# handled by aot_autograd, so it may call these directly and skip the custom-op dispatch (host time
+# that decides whether decode-size calls pay off). Each family's ops module lists its own.
+DIRECT_CALLS: dict = {}
+for _family in families.FAMILIES:
+    if _family.ops:
+        DIRECT_CALLS.update(getattr(importlib.import_module(_family.ops), "DIRECT_CALLS", {}))

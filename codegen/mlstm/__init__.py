@@ -1,0 +1,7 @@
+"""Kernels for the mLSTM ops: Triton chunkwise forward and backward, and the decode step.
+
+- configs.py: tile configurations, defaults and what fits shared memory
+- settings.py: switches for the A/B forms the kernels keep
+- triton_kernels.py + templates/mlstm_*.py.jinja: rendering, launches, tuning, the providers
+"""
+from .triton_kernels import backward, backward_reads_kept_states, forward, forward_keeping_states, step  # noqa: F401

@@ -1,0 +1,487 @@
+"""Generated Triton kernels for xaccel::mlstm (forward, backward) and xaccel::mlstm_step, rendered
+from templates/mlstm_*.py.jinja per input dtype (and initial state or not, where it matters);
+head dims, chunk length and tiles are compile-time constants.
+
+The chunkwise form is split so that only the state scans are sequential: the state entering every
+chunk (mlstm_chunk_states) and then every chunk's output in parallel (mlstm_fwd); the backward adds
+mlstm_bwd_rows (per-row normalizer terms), the reverse state-gradient scan (mlstm_bwd_states) and
+mlstm_bwd (every chunk's gradients in parallel). Configs (configs.py) are tuned once per shape
+class (_tuned); settings.py holds the switches for the A/B forms the kernels keep."""
+from __future__ import annotations
+
+import contextvars
+import hashlib
+from pathlib import Path
+
+import torch
+
+from torch_xaccel.ops.mlstm import chunk_states_shapes, gradient_like
+from torch_xaccel.ops.mlstm.reference_backward import route_max_grads
+from torch_xaccel.runtime import interpreting
+
+from .. import cache, tuning
+from ..limits import INT32_LIMIT, reach
+from ..render import Templates
+from ..triton_launch import DirectLaunch
+from . import configs, settings
+
+TEMPLATES = Templates(Path(__file__).parent / "templates")
+_KERNELS: dict = {}
+
+
+def _render(template: str, dtype: torch.dtype, s_constexpr: bool, **extra) -> tuple[str, str]:
+    """(kernel name, source) of one mLSTM template for the dot dtype. s_constexpr: sequence length
+    and chunk count as compile-time constants, for Triton 3.6's interpreter (it cannot loop to a
+    run-time bound under NumPy 2)."""
+    tf32 = dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not interpreting()
+    precision = "tf32" if tf32 else "ieee"
+    key = f"{template}|{dtype}|{precision}|{s_constexpr}|{sorted(extra.items())}"
+    name = template.split(".")[0] + "_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    src = TEMPLATES.render(template, kernel_name=name, dot_dtype=str(dtype), precision=precision,
+                           s_constexpr=s_constexpr, **extra)
+    return name, src
+
+
+def _kernel(template: str, dtype: torch.dtype, **extra):
+    key = (template, dtype, interpreting(), tuple(sorted(extra.items())))
+    if key not in _KERNELS:
+        name, src = _render(template, dtype, interpreting(), **extra)
+        _KERNELS[key] = getattr(cache.load_source(name, src), name)
+    return _KERNELS[key]
+
+
+_WARMUP = contextvars.ContextVar("xaccel_mlstm_warmup", default=False)
+
+
+def _launch(kernel, grid, *args, **meta):
+    """kernel[grid](*args, **meta), or only its compile while tuning precompiles candidates."""
+    if _WARMUP.get():
+        kernel.run(*args, grid=grid, warmup=True, **meta)
+    else:
+        kernel[grid](*args, **meta)
+
+
+def _warmup(launch, cfg) -> None:
+    """Compile every kernel of one phase for `cfg` without launching any (the torch ops between
+    them still run, on uninitialised buffers)."""
+    token = _WARMUP.set(True)
+    try:
+        launch(cfg)
+    finally:
+        _WARMUP.reset(token)
+
+
+_CHOSEN: dict = {}  # tuning key -> decision, for this process
+
+
+def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch, kept: bool = False, chunk: int | None = None) -> dict:
+    """The fastest candidate for this phase and shape class, timed once (launch(cfg) runs the
+    phase) and stored like every tuning decision; without CUDA, or with settings' tune off, the
+    default. kept: a forward that keeps its chunk states (its configs at the states' chunk length
+    `chunk`) or a backward that reads them (no scan): their own decisions, since that changes
+    what is timed."""
+    B, H, S, DK = q.shape
+    DV = v.shape[-1]
+    size = q.element_size()
+    config, candidates = ((configs.forward_config, configs.forward_candidates) if phase == "fwd"
+                          else (configs.backward_config, configs.backward_candidates))
+    if chunk is not None:
+        config, candidates = configs.at_chunk(config, chunk), configs.at_chunk(candidates, chunk)
+    if interpreting() or q.device.type != "cuda" or not settings.current().tune:
+        return config(DK, DV, size)
+    parts = (f"mlstm_{phase}{'|kept' if kept else ''}{chunk or ''}|{q.dtype}|DK{DK}|DV{DV}|"
+             f"S~{1 << (S - 1).bit_length()}|BH~{1 << (B * H - 1).bit_length()}")
+    key = tuning.key("mlstm", parts, q.device, TEMPLATES.digest)
+    if key in _CHOSEN:
+        return _CHOSEN[key].config
+    default, cands = config(DK, DV, size), candidates(DK, DV, size)  # only on a memo miss
+    label = f"mlstm {phase} S{S} DQK{DK} DV{DV}"
+
+    def tune():
+        timings = []
+        return {"config": _fastest(label, default, cands, launch, timings), "timings": timings}
+    return tuning.decide(key, untimed=default, valid=lambda e: isinstance(e, dict) and e.get("config") in cands,
+                         tune=tune, memo=_CHOSEN).config
+
+
+def _fastest(label: str, default: dict, cands: list[dict], launch, timings: list) -> dict:
+    """The fastest candidate; a config must first reproduce the outputs of the reference config
+    (each of _compared's, within 1e-2 or 2e-2) before its speed counts. The reference is the
+    first config of an original kernel (whole-tile forward, single per-chunk backward:
+    _newer_kernel) that runs: the sliced kernel (SLICED) had a version that Triton miscompiled
+    on Hopper while the interpreter agreed, so newer variants are checked, not trusted; without
+    an original config, the first that runs. No candidate runs: raise (the runtime falls back to
+    the reference and says why)."""
+    tuning.precompile(cands, lambda cfg: _warmup(launch, cfg))
+    want, ref, error = None, None, None
+    for cfg in sorted(cands, key=_newer_kernel):  # stable: in list order among equals
+        try:
+            want, ref = _compared(launch(cfg)), cfg
+            break
+        except Exception as e:  # noqa: BLE001 - try the next config
+            error = e
+    if want is None:
+        raise RuntimeError(f"no candidate config of {label} runs here; last error: {type(error).__name__}: {error}")
+
+    def bench(cfg):
+        got = _compared(launch(cfg))
+        tolerances = [1e-2] + [2e-2] * (len(want) - 1)
+        if not all((g - w).norm() <= tol * w.norm() for g, w, tol in zip(got, want, tolerances)):
+            raise ValueError("result differs from the reference config's")
+        return tuning.bench_ms(lambda: launch(cfg), warmup=3, rep=15)
+    return tuning.fastest(label, cands, bench, best=ref, timings=timings)
+
+
+def _compared(outputs) -> list:
+    """What the agreement check compares: every output of the forward (h and the final state)
+    or every input gradient of the backward (dq, dk, dv, di, df: each comes from a different
+    kernel of the split backward), finite parts only (degenerate inputs). h and dq within 1e-2,
+    the others within 2e-2, since two right bf16 configs each carry up to ~3e-3 of their own
+    error there (GPU tests) and a broken kernel is off by far more. Not the
+    initial-state gradients: dm0 cancels to 1e-2-1e-4 of its terms, so two right configs may
+    differ there by more than that in bf16."""
+    return [torch.nan_to_num(t.float()) for t in list(outputs)[:5] if t is not None]
+
+
+def _newer_kernel(cfg: dict) -> bool:
+    """Configs that run a later kernel variant (sliced forward, split backward): never the
+    tuner's reference while an original config runs."""
+    return any(cfg.get(key) for key in ("BKQ", "DVS", "DKS"))
+
+
+def _supported(q, k, v, S, phase: str) -> bool:
+    """Dtypes and head dims the templates cover, and a config of this phase that fits shared
+    memory (else the op runs its reference)."""
+    DK, DV = q.shape[-1], v.shape[-1]
+    if not (q.dtype in configs.DTYPES and DK in configs.HEAD_DIMS and DV in configs.HEAD_DIMS and S > 0
+            and all(t.dtype == q.dtype for t in (k, v)) and max(q.numel(), v.numel()) < INT32_LIMIT):
+        return False  # (int32 offsets: larger tensors run the reference)
+    return interpreting() or configs.any_config_fits(phase, DK, DV, q.element_size())
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """t itself when the kernels can read it in place (unit stride along the head dim; the gates
+    [B, H, S] take any strides), else a contiguous copy: the usual transposed projections
+    ([B, S, H, D] viewed as [B, H, S, D]) then cost no copy in the forward or the backward.
+    Also a copy when its farthest element lies 2^31 or more elements from its start (e.g. q
+    sliced from a wide fused projection): the kernels compute offsets in int32."""
+    if (t.dim() == 4 and t.stride(-1) != 1) or t.numel() == 0:
+        return t.contiguous()
+    return t if reach(t) <= INT32_LIMIT else t.contiguous()
+
+
+def _rows(*ts: torch.Tensor) -> list[int]:
+    """The kernels' row_args: the head count, then each tensor's batch, head and position strides."""
+    return [ts[0].shape[1]] + [st for t in ts for st in t.stride()[:3]]
+
+
+def chunk_states(k, v, i, f, C0, n0, m0, cfg):
+    """Run the sequential scan: (Cs, ns, ms) the state entering each chunk ([B*H*NC*DK*DV] in the
+    input dtype, [.. DK] and [..] fp32) and the final state (C, n, m) in fp32: mlstm_chunk_gates
+    prepares every chunk's gate terms in parallel, then mlstm_chunk_states walks the chunks with
+    one matmul per step."""
+    B, H, S, DK = k.shape
+    DV = v.shape[-1]
+    L, BK, BVS, stages = cfg["L"], cfg["BK"], cfg["BVS"], cfg["stages"]
+    NC = -(-S // L)
+    dev, f32 = k.device, torch.float32
+    if B * H * NC * DK * DV >= INT32_LIMIT:  # the kernels' offsets are int32: this config cannot run here
+        raise ValueError(f"mLSTM chunk states at chunk {L} would hold {B * H * NC * DK * DV} elements (>= 2^31)")
+    Cs = torch.empty(B * H * NC * DK * DV, dtype=k.dtype, device=dev)
+    ns = torch.empty(B * H * NC * DK, dtype=f32, device=dev)
+    ms = torch.empty(B * H * NC, dtype=f32, device=dev)
+    C = torch.empty(B, H, DK, DV, dtype=f32, device=dev)
+    n = torch.empty(B, H, DK, dtype=f32, device=dev)
+    m = torch.empty(B, H, dtype=f32, device=dev)
+    has_state = C0 is not None
+    if has_state:
+        C0, n0, m0 = (t.float().contiguous() for t in (C0, n0, m0))
+    else:
+        C0, n0, m0 = C, n, m  # unused by the kernel
+    gates = []
+    gate_factors = settings.current().chunk_scan_factors
+    if gate_factors:  # each chunk's gate terms, in parallel, off the sequential scan
+        gates = [torch.empty(B * H * NC * L, dtype=f32, device=dev), torch.empty(B * H * NC * 2, dtype=f32, device=dev)]
+        _launch(_kernel("mlstm_chunk_gates.py.jinja", k.dtype), (B * H, NC), i, f, *gates, *_rows(i, f), S, NC, L=L)
+    _launch(_kernel("mlstm_chunk_states.py.jinja", k.dtype, has_state=has_state, gate_factors=gate_factors,
+                    loads_first=bool(cfg.get("LF"))),
+        (B * H, DK // BK, DV // BVS), k, v, i, f, C0, n0, m0, Cs, ns, ms, C, n, m, *gates, *_rows(k, v, i, f), S, NC,
+        DK ** -0.5, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=configs.scan_warps(cfg), num_stages=stages)
+    return (Cs, ns, ms), (C, n, m)
+
+
+def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size, keep_chunk_states=False):
+    """Kernel path for xaccel::mlstm's forward, or NotImplemented for cases it does not cover: the
+    chunk-state scan, then every chunk's output in parallel. chunk_size only shapes the
+    reference's evaluation; the kernels pick their own chunk length (results agree to rounding).
+    keep_chunk_states (xaccel::mlstm_with_chunk_states): also return the state entering each chunk
+    of chunk_size positions and each row's den_t and m_t, the forward then running at that chunk
+    length (its own tuning decision), so that a backward walking the same chunks reads them."""
+    S = q.shape[2]
+    if not _supported(q, k, v, S, "fwd") or \
+            keep_chunk_states and not configs.keeping_forward_fits(q.shape[-1], v.shape[-1], q.element_size(),
+                                                                   chunk_size):
+        return NotImplemented
+    q, k, v, i, f = (_strided(t) for t in (q, k, v, i, f))
+    if not keep_chunk_states:
+        cfg = _tuned("fwd", q, v, lambda c: _forward(c, q, k, v, i, f, C0, n0, m0, eps))
+        return _forward(cfg, q, k, v, i, f, C0, n0, m0, eps)
+    run = lambda c: _forward_keeping(c, q, k, v, i, f, C0, n0, m0, eps, chunk_size)  # noqa: E731
+    return run(_tuned("fwd", q, v, run, kept=True, chunk=chunk_size))
+
+
+def forward_keeping_states(key, q, *args):
+    """Kernel path for xaccel::mlstm_with_chunk_states: forward() keeping its chunk states."""
+    return forward(key, q, *args, keep_chunk_states=True)
+
+
+def _forward_keeping(cfg, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
+    assert cfg["L"] == chunk_size, (cfg, chunk_size)
+    h, C, n, m, states, rows = _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, keep=True)
+    kept = [t.view(shape) for t, (shape, _) in zip((*states, rows), chunk_states_shapes(q, v, chunk_size))]
+    return (h, C, n, m, *kept)
+
+
+def backward_reads_kept_states(device_type: str, dtype: torch.dtype, DK: int, DV: int, chunk_size: int) -> bool:
+    """Whether keeping the chunk states in a training graph pays: the kernels run there (CUDA, or
+    Triton's interpreter) and every backward config they may pick walks chunks of chunk_size, so
+    the kept states replace the backward's scan. Else (the CPU reference, whose backward ignores
+    them; DQK 512 or fp32 from DQK 256, whose backward chunks are 16-32; a chunk size the kernels
+    do not take) they would be held for nothing (lowering/mlstm/chunk_states.py asks)."""
+    if chunk_size not in configs.CHUNKS or dtype not in configs.DTYPES or DK not in configs.HEAD_DIMS \
+            or DV not in configs.HEAD_DIMS:
+        return False
+    if not configs.keeping_forward_fits(DK, DV, dtype.itemsize, chunk_size):
+        return False  # the op would run its reference
+    if interpreting():
+        return device_type == "cpu" and configs.backward_config(DK, DV, dtype.itemsize)["L"] == chunk_size
+    cands = configs.backward_candidates(DK, DV, dtype.itemsize)
+    return device_type == "cuda" and bool(cands) and all(c["L"] == chunk_size for c in cands)
+
+
+def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, keep=False):
+    """keep: also return the chunk states and each row's (den_t, m_t) [B*H, 2, S] fp32."""
+    B, H, S, DK = q.shape
+    DV = v.shape[-1]
+    L = cfg["L"]
+    (Cs, ns, ms), (C, n, m) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
+    h = torch.empty(B, H, S, DV, dtype=q.dtype, device=q.device)
+    rows = torch.empty(B * H * 2 * S, dtype=torch.float32, device=q.device) if keep else None
+    NC = -(-S // L)
+    args = (q, k, v, i, f, h, Cs, ns, ms, *((rows,) if keep else ()), *_rows(q, k, v, i, f), S, NC, DK ** -0.5, eps)
+    meta = dict(DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=cfg["warps"], num_stages=cfg["stages"])
+    if cfg.get("BKQ"):  # the sliced output kernel (SLICED)
+        meta["BKQ"] = cfg["BKQ"]
+    _launch(_kernel("mlstm_fwd.py.jinja", q.dtype, k_loop=bool(cfg.get("BKQ")), save_rows=keep),
+            (B * H, NC, DV // cfg["BV"]), *args, **meta)
+    if keep:
+        return h, C, n, m, (Cs, ns, ms), rows
+    return h, C, n, m
+
+
+def step(key, q, k, v, i, f, C, n, m, eps, scale_q=False):
+    """Kernel path for xaccel::mlstm_step, or NotImplemented. Capturable in a CUDA graph (no host
+    synchronisation, outputs allocated by the caching allocator)."""
+    B, H, DK = q.shape
+    DV = v.shape[-1]
+    if q.dtype not in configs.DTYPES or DK not in configs.HEAD_DIMS or DV not in configs.HEAD_DIMS \
+            or not all(t.dtype == q.dtype for t in (k, v)) \
+            or B * H * DK * DV >= INT32_LIMIT:  # int32 offsets into the state
+        return NotImplemented
+    q, k, v, i, f = (t.contiguous() for t in (q, k, v, i, f))
+    C, n, m = (t.float().contiguous() for t in (C, n, m))
+    h = torch.empty(B, H, DV, dtype=q.dtype, device=q.device)
+    C2, n2, m2 = torch.empty_like(C), torch.empty_like(n), torch.empty_like(m)
+    BV = min(DV, 64)
+    key = ("step", interpreting())
+    if key not in _KERNELS:
+        name = "mlstm_step_" + hashlib.sha256(b"mlstm_step|v2").hexdigest()[:12]
+        src = TEMPLATES.render("mlstm_step.py.jinja", kernel_name=name)
+        _KERNELS[key] = getattr(cache.load_source(name, src), name)
+    q_scale, k_scale = (DK ** -0.5, 1.0) if scale_q else (1.0, DK ** -0.5)
+    # eps as a float: the compiled kernel's argument type must not depend on how a caller spelled it
+    args, meta, grid = ((q, k, v, i, f, C, n, m, h, C2, n2, m2, q_scale, k_scale, float(eps)),
+                        dict(DK=DK, DV=DV, BV=BV), (B * H, DV // BV))
+    # a decode step is host-bound: from the second call of a shape, its compiled kernel directly
+    shape = (key, q.dtype, q.device, B, H, DK, DV)
+    direct = _STEP_LAUNCHES.get(shape)
+    if direct and direct.matches(args[:12]):
+        direct(args)
+    else:
+        compiled = _KERNELS[key][grid](*args, **meta)
+        if direct is None:
+            if len(_STEP_LAUNCHES) >= 1024:
+                _STEP_LAUNCHES.clear()
+            _STEP_LAUNCHES[shape] = DirectLaunch.capture(_KERNELS[key], compiled, grid, meta, len(args),
+                                                         args[:12]) or False
+    return h, C2, n2, m2
+
+
+_STEP_LAUNCHES: dict = {}  # (kernel key, dtype, device, B, H, DK, DV) -> DirectLaunch, or False where none
+
+
+def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=None, chunk_states=()):
+    """Kernel path for xaccel::mlstm's backward (same contract as ops/mlstm/reference_backward.backward),
+    or NotImplemented. In order: the chunk-state scan again (skipped when the forward kept its
+    states, chunk_states = [Cs, ns, ms, rows, C, n, m] at chunk_size, and the config's chunk is
+    chunk_size), per-row normalizer terms (from the saved output h and, with kept states, the
+    forward's den_t and m_t; else q k^T again; h recomputed when absent), the
+    reverse state-gradient scan, then every chunk's dq, dk, dv and gate gradients in parallel.
+    The eps term is routed through the stabilizer max in one kernel (route_max_grad), or with
+    settings' fused_route off in torch (a cummax over [B, H, S])."""
+    B, H, S, DK = q.shape
+    DV = v.shape[-1]
+    if not _supported(q, k, v, S, "bwd") or dh is None and gC is None:
+        return NotImplemented
+    dev, f32 = q.device, torch.float32
+    q, k, v, i, f = (_strided(t) for t in (q, k, v, i, f))
+    if h is None:
+        h = forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size)[0]
+    h = h.contiguous()
+    dh = torch.zeros_like(h) if dh is None else _strided(dh)
+    gC = torch.zeros(B, H, DK, DV, device=dev, dtype=f32) if gC is None else gC.float().contiguous()
+    gn = torch.zeros(B, H, DK, device=dev, dtype=f32) if gn is None else gn.float().contiguous()
+    gm = torch.zeros(B, H, device=dev, dtype=f32) if gm is None else gm.float()
+    kept = _kept_states(chunk_states, q, v, chunk_size)
+    cfg = _tuned("bwd", q, v, lambda c: _backward(c, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept),
+                 kept=kept is not None)
+    return _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept)
+
+
+def _kept_states(chunk_states, q, v, chunk_size):
+    """(chunk_size, (Cs, ns, ms) flat as chunk_states() returns them, rows flat, (C, n, m)) from
+    the forward's kept states, or None when there are none or they do not have the layout the
+    kernels read (then the backward reruns the scan and recomputes the row terms)."""
+    if not chunk_states:
+        return None
+    Cs, ns, ms, rows, C, n, m = chunk_states
+    want = chunk_states_shapes(q, v, chunk_size)
+    if any(tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous()
+           for t, (shape, dtype) in zip((Cs, ns, ms, rows), want)):
+        return None
+    return (chunk_size, (Cs.view(-1), ns.view(-1), ms.view(-1)), rows.view(-1),
+            tuple(t.float().contiguous() for t in (C, n, m)))
+
+
+def route_max_grad(dm, gm, dmT, i, f, rs, cdc, L, m0=None):
+    """(di, df in the gates' dtypes, the routed part of dm0 or None) in one launch
+    (mlstm_bwd_route): the gates' gradients with the stabilizers fixed from q.dq and k.dk per row
+    and DK tile (rs, [B*H, tiles, 2, S]) and <C, dC> at each chunk's end (cdc, [B*H, NC]; chunk
+    length L), plus the eps term dm [B, H, S] (gm + dmT.sum(-1) added to its last row) routed
+    through the stabilizer max: what _backward's torch tail computes with
+    ops/mlstm/reference_backward.route_max_grads."""
+    from triton import next_power_of_2
+
+    B, H, S = i.shape
+    i, f = _strided(i), _strided(f)
+    start = torch.empty(B * H * S, dtype=torch.int8, device=i.device)
+    di_out = torch.empty((B, H, S), dtype=i.dtype, device=i.device)
+    df_out = torch.empty((B, H, S), dtype=f.dtype, device=i.device)
+    dm0 = torch.empty((B, H), dtype=torch.float32, device=i.device) if m0 is not None else None
+    NT = dmT.shape[-1]
+    block = min(1024, next_power_of_2(S))
+    _launch(_kernel("mlstm_bwd_route.py.jinja", i.dtype, has_state=m0 is not None), (B * H,),
+            i, f, dm, gm.float().contiguous(), dmT, rs, rs.numel() // (B * H * 2 * S), cdc, cdc.numel() // (B * H),
+            m0.float().contiguous() if m0 is not None else dm,
+            start, di_out, df_out, dm0 if dm0 is not None else dm, *_rows(i, f), S, NT,
+            NTP=next_power_of_2(NT), BLOCK=block, L=L, num_warps=4)
+    return di_out, df_out, dm0
+
+
+def gates_from_row_sums(rs, cdc, dmT, B: int, H: int, S: int, L: int):
+    """(di, dlogf) [B, H, S] with the stabilizers fixed, in torch: di_t = k_t.dk_t and dlogf_p the
+    sum of q_t.dq_t - k_t.dk_t over the rows t >= p of p's chunk plus <C, dC> at the chunk's end
+    (cdc, [B*H, NC]; for the last chunk the final state's <gC, C_T> + <gn, n_T>, -dmT summed), from
+    the row sums rs [B*H, tiles, 2, S] (mlstm_bwd_ds says why). Exact: with the stabilizers fixed,
+    every weight depends on the gates through b_t - b_s + i_s alone. Summed per chunk, with the
+    rows after a chunk entering as <C, dC> at its end (taken by the reverse scan), bf16 state
+    rounding does not accumulate along the row as a whole-row cumsum's does. What mlstm_bwd_route
+    computes before routing the eps term; the torch tail (settings' fused_route off) and the tests
+    use it."""
+    import torch.nn.functional as F
+
+    NC = -(-S // L)
+    r = rs.view(B, H, -1, 2, S).sum(2)
+    d = F.pad(r[:, :, 0] - r[:, :, 1], (0, NC * L - S)).view(B, H, NC, L)
+    ends = cdc.view(B, H, NC).clone()
+    ends[..., -1] = -dmT.sum(-1).view(B, H)
+    return r[:, :, 1], (d.flip(-1).cumsum(-1).flip(-1) + ends[..., None]).view(B, H, NC * L)[..., :S]
+
+
+def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None):
+    import torch.nn.functional as F
+
+    B, H, S, DK = q.shape
+    DV = v.shape[-1]
+    dev, f32 = q.device, torch.float32
+    L, BK, BVS, warps, stages = cfg["L"], cfg["BK"], cfg["BVS"], cfg["warps"], cfg["stages"]
+    switches = settings.current()
+    row_factors = switches.scan_row_factors
+    NC, NT = -(-S // L), (DK // BK) * (DV // BVS)
+    rows = None
+    if kept is not None and kept[0] == L:  # the forward's states and row terms: no second scan, no q k^T
+        (Cs, ns, ms), rows, (CT, nT, mT) = kept[1:]
+        rows = rows if switches.saved_rows else None
+    else:
+        (Cs, ns, ms), (CT, nT, mT) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
+    N, dden, dm = (torch.empty(B, H, S, device=dev, dtype=f32) for _ in range(3))
+    # the scan's row factors r/N, r dden [B, H, S] and each chunk's log forget product g [B*H*NC]
+    factors = [torch.empty(n, device=dev, dtype=f32) for n in (B * H * S, B * H * S, B * H * NC)] \
+        if row_factors else []
+    saved = (rows,) if rows is not None else ()
+    _launch(_kernel("mlstm_bwd_rows.py.jinja", q.dtype, row_factors=row_factors, saved_rows=bool(saved)),
+        (B * H, NC), q, k, i, f, h, dh, ns, ms, *saved, N, dden, dm, *factors, *_rows(q, k, i, f, dh),
+        S, NC, DK ** -0.5, eps, DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
+    dCs, dns = torch.empty_like(Cs), torch.empty_like(ns)
+    dC0, dn0 = torch.empty_like(gC), torch.empty_like(gn)
+    DVS = cfg.get("DVS")  # split variant: dv in its own kernel, one program per DV tile
+    DKS = cfg.get("DKS")  # and dq, dk in theirs, one program per DK tile (without DVS: dv stays in mlstm_bwd_ds)
+    dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
+    dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)  # per (chunk, scan tile) parts of <C, dC> at the chunk's end
+    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, row_factors=row_factors),
+        (B * H, DK // BK, DV // BVS), q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0,
+        *factors, *_rows(q, dh, i, f), S, NC, NT, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=configs.scan_warps(cfg),
+        num_stages=stages)
+    # the stabilizer of the state leaving each chunk, which scales its gradient in dCs, dns
+    me = torch.cat((ms.view(B * H, NC)[:, 1:], mT.reshape(B * H, 1).float()), 1).contiguous()
+    # in the layout the op's fake promises (ops/mlstm/op.gradient_strides: a dense transposed view's own)
+    dq, dk, dv = (gradient_like(t) for t in (q, k, v))
+    dg = dg.sum(-1)  # <C, dC> at each chunk's end
+    # the gates' gradients from q.dq and k.dk per row and DK tile (gates_from_row_sums says why)
+    rs = torch.empty(B * H * (DK // DKS if DKS else 1) * 2 * S, device=dev, dtype=f32)
+    if DVS:
+        _launch(_kernel("mlstm_bwd_dv.py.jinja", q.dtype), (B * H, NC, DV // DVS),
+            q, k, v, i, f, dh, ms, me, dCs, N, dv,
+            *_rows(q, k, v, i, f, dh, dv), S, NC, DK ** -0.5, DK=DK, DV=DV, BV=DVS, L=L, num_warps=warps,
+            num_stages=stages)
+    if DKS:  # dS scratch: L/DK of q's size (128 MiB at B8 NH16 S8192 128/128)
+        dS = torch.empty(B * H * NC * L * L, device=dev, dtype=q.dtype)
+        wu = torch.empty(B * H * NC * 2 * L, device=dev, dtype=f32)
+        _launch(_kernel("mlstm_bwd_ds.py.jinja", q.dtype, split_dv=bool(DVS)), (B * H, NC),
+            q, k, v, i, f, dh, ms, me, dCs, N, dden, dS, wu, dv, *_rows(q, k, v, i, f, dh, *(() if DVS else (dv,))),
+            S, NC, DK ** -0.5, DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
+        _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype), (B * H, NC, DK // DKS),
+            q, k, v, dh, Cs, ns, dCs, dns, N, dden, dS, wu, dq, dk, rs,
+            *_rows(q, k, v, dh, dq, dk), S, NC, DK ** -0.5,
+            DK=DK, DV=DV, BK=DKS, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
+    else:
+        _launch(_kernel("mlstm_bwd.py.jinja", q.dtype, split_dv=bool(DVS)), (B * H, NC),
+            q, k, v, i, f, dh, Cs, ns, ms, me, dCs, dns, N, dden, dq, dk, dv, rs,
+            *_rows(q, k, v, i, f, dh, dq, dk, *(() if DVS else (dv,))), S, NC, DK ** -0.5,
+            DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
+    m0s = m0.float() if C0 is not None else None
+    if switches.fused_route:
+        di_out, df_out, r_dm0 = route_max_grad(dm, gm, dmT, i, f, rs, dg, L, m0s)
+    else:
+        di, dlogf = gates_from_row_sums(rs, dg, dmT, B, H, S, L)
+        dm[..., -1] += gm + dmT.sum(-1).view(B, H)
+        i32, f32_ = i.float(), f.float()
+        r_di, r_dlogf, r_dm0 = route_max_grads(dm, i32, F.logsigmoid(f32_).cumsum(-1), m0s)
+        di_out, df_out = (di + r_di).to(i.dtype), ((dlogf + r_dlogf) * torch.sigmoid(-f32_)).to(f.dtype)
+    grads = [dq, dk, dv, di_out, df_out]
+    if C0 is not None:  # dC0, dn0: stabilized by m0, as C0 and n0 are
+        grads += [dC0.to(C0.dtype), dn0.to(n0.dtype),
+                  ((dC0 * C0.float()).sum((-1, -2)) + (dn0 * n0.float()).sum(-1) + r_dm0).to(m0.dtype)]
+    else:
+        grads += [None, None, None]
+    return grads

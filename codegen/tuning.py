@@ -1,0 +1,202 @@
+"""The one tuner every family uses: tuning keys, the rules for when to time, stored decisions,
+candidate timing with a progress bar, and the GPU / host timers.
+
+A family describes one tuning problem (its candidates, how to time one, when a stored decision
+still holds) and calls `decide`; what is the same for every family lives here:
+- the key: the family's own parts plus the GPU, torch and Triton versions, the family's template
+  digest and VERSION, so a decision is never reused for other code or another machine;
+- no timing under Triton's interpreter (the family's untimed choice runs), inside a CUDA-graph
+  capture (a stored decision, else the untimed choice, and nothing is remembered: a later
+  uncaptured call tunes) or with XACCEL_TUNE=0 (a stored decision, else the untimed choice);
+- otherwise the stored decision, or a timing run under the key's lock across processes, stored.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from torch_xaccel import config
+from torch_xaccel.runtime import interpreting
+
+from . import cache
+
+VERSION = 7  # part of every tuning key: bump when candidate lists or timing methods change
+
+
+def key(family: str, parts: str, device: torch.device, template_digest: str) -> str:
+    import triton
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return (f"{family}|{parts}|{gpu}|torch{torch.__version__}|triton{triton.__version__}|tpl{template_digest}"
+            f"|tv{VERSION}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    config: object  # as stored (JSON: a list or a dict), or the untimed choice
+    entry: dict = field(default_factory=dict)  # the stored entry: timings, pending builds, notes
+    live: bool = False  # tuning was allowed: the entry's pending work (e.g. CUTLASS builds) counts
+
+
+def capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def decide(key: str, *, untimed, valid, tune, usable=None, memo: dict | None = None) -> Decision:
+    """The decision for `key`. valid(entry): a stored entry still holds (else it is tuned again);
+    tune() -> entry times the candidates ({"config": ..., "timings": [...], ...}); usable(entry)
+    (default: valid): a stored entry may serve when nothing may be timed; untimed: the config
+    to run then. memo: a dict remembering decisions in this process, keyed by `key`."""
+    if memo is not None and key in memo:
+        return memo[key]
+    if interpreting():
+        return Decision(untimed)
+    usable = usable or valid
+    live = config.current().tune
+    if capturing() or not live:
+        stored = cache.read_entry("tuning", key)
+        decision = Decision(stored["config"], stored) if usable(stored) else Decision(untimed)
+        if memo is not None and not capturing():
+            memo[key] = decision
+        return decision
+    entry = cache.read_entry("tuning", key)
+    if not valid(entry):
+        with cache.locked(cache.key_name(key)):
+            entry = cache.read_entry("tuning", key)  # another process may have finished meanwhile
+            if not valid(entry):
+                entry = tune()
+                cache.write_entry("tuning", key, entry)
+    decision = Decision(entry["config"], entry, live=True)
+    if memo is not None:
+        memo[key] = decision
+    return decision
+
+
+def precompile(cands, warmup) -> None:
+    """Compile every candidate at once before they are timed: warmup(cfg) runs Triton's warmup
+    (compile, no launch) under triton.AsyncCompileMode on XACCEL_COMPILE_THREADS threads (the
+    compiler drops the GIL for most of its work). Best effort: a config that fails here is
+    compiled again, and skipped with its error, when timed."""
+    import triton
+
+    mode = getattr(triton, "AsyncCompileMode", None)
+    workers = min(len(cands), os.cpu_count() or 1, config.current().compile_threads)
+    if mode is None or workers < 2:
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    active = getattr(getattr(getattr(triton, "runtime", None), "_async_compile", None), "active_mode", None)
+    token = active.set(None) if active is not None else None
+    try:
+        with ThreadPoolExecutor(workers) as pool, mode(pool, ignore_errors=True):
+            for cfg in cands:
+                try:
+                    warmup(cfg)
+                except Exception:  # noqa: BLE001 - compiled (or reported) again when timed
+                    pass
+    except Exception:  # noqa: BLE001 - parallel compilation is an optimisation only
+        pass
+    finally:
+        if token is not None:  # Triton 3.6 leaves the mode set if its exit raises: later compiles must not see it
+            active.reset(token)
+
+
+def fastest(label: str, cands, bench, best=None, best_ms: float = float("inf"), timings: list | None = None):
+    """The candidate with the lowest bench(cfg) (ms) below best_ms, else `best`; a candidate whose
+    bench raises (does not build, fit or agree) is skipped. A progress bar after two seconds.
+    `timings` (a list) receives [cfg, ms or None, why skipped] per candidate, for the tuning entry:
+    the report of what was tried."""
+    progress = Progress(f"tuning {label}", len(cands))
+    for n, cfg in enumerate(cands):
+        why = ""
+        try:
+            ms = bench(cfg)
+        except Exception as e:  # noqa: BLE001 - a config that does not build, fit or agree is not a candidate
+            ms, why = float("inf"), f"{type(e).__name__}: {str(e)[:160]}"
+        if timings is not None:
+            timings.append([cfg, round(ms, 5) if ms < float("inf") else None, why])
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+        progress.step(n + 1)
+    progress.close()
+    return best
+
+
+class Progress:
+    """A one-line progress bar on stderr, shown once the work has taken over two seconds."""
+
+    def __init__(self, label: str, total: int, show_after_s: float = 2.0):
+        self.label, self.total, self.t0, self.shown = label, total, time.perf_counter(), False
+        self.show_after_s = show_after_s
+
+    def step(self, done: int) -> None:
+        if time.perf_counter() - self.t0 < self.show_after_s and not self.shown:
+            return
+        self.shown = True
+        bar = "#" * int(20 * done / self.total)
+        sys.stderr.write(f"\r[xaccel] {self.label} [{bar:<20}] {done}/{self.total}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write(f"  {time.perf_counter() - self.t0:.1f}s\n")
+
+
+def bench_ms(fn, warmup: int = 5, rep: int = 20) -> float:
+    """Median ms of fn in triton.testing.do_bench's short bursts (L2 flushed between calls)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def gpu_ms(fn, calls: int = 20, rounds: int = 3) -> float:
+    """GPU milliseconds per call of fn, without its CPU launch cost and without a graph capture
+    (which would disturb other threads and, if it failed, the caching allocator): a GPU sleep
+    longer than the CPU needs to queue `calls` calls is enqueued first, so the events around them
+    time only the GPU's work. The sleep is four times a first, plain round's queueing time, a
+    margin for a host whose speed varies from one moment to the next (a shorter sleep lets host
+    time leak into the figure). Median of `rounds`."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    queue_ms = (time.perf_counter() - t0) * 1e3  # an upper bound of the CPU's queueing time
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    torch.cuda.synchronize()
+    cycles = int(10_000_000 * 4 * queue_ms / max(start.elapsed_time(end), 1e-3)) + 1_000_000
+    results = []
+    for _ in range(rounds):
+        torch.cuda._sleep(cycles)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        results.append(start.elapsed_time(end) / calls)
+    return sorted(results)[len(results) // 2]
+
+
+def host_ms(fn, calls: int = 20, rounds: int = 3) -> float:
+    """CPU milliseconds per call of fn with the GPU kept busy ahead of it (a queued sleep), so
+    that no launch waits on the device: what an uncaptured decode call costs the host. Median
+    of `rounds`."""
+    fn()
+    torch.cuda.synchronize()
+    results = []
+    for _ in range(rounds):
+        torch.cuda._sleep(20_000_000)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        results.append((time.perf_counter() - t0) * 1e3 / calls)
+        torch.cuda.synchronize()
+    return sorted(results)[len(results) // 2]

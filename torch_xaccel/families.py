@@ -1,0 +1,110 @@
+"""The op families: the one list of what the backend can find and replace.
+
+A family is one package under the same name in every layer: `torch_xaccel/ops/<family>/` (its
+torch.ops.xaccel.* ops and their one reference), `lowering/<family>/` (its graph passes),
+`codegen/<family>/` (its kernels and templates) and `tests/<family>/`. Everything shared (the
+backend, the runtime, the tuner, the cache, the report, the config) learns about families only
+from this table, by module path: none of it imports a family. Adding a family is its folders plus
+one entry here (docs/architecture.md walks through one).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    # pattern name -> its pass, "module:function" run(gm, ctx); the names are what XACCEL_PATTERNS
+    # accepts and what the report counts, and PASS_ORDER says when each runs
+    passes: dict[str, str] = field(default_factory=dict)
+    # report keys beyond the pass names (a family declared before its passes exist)
+    reports: tuple[str, ...] = ()
+    ops: str | None = None  # the module that registers the family's torch.ops.xaccel.* ops
+    # op name -> its kernel provider "module:function" provider(key, *args) -> outputs | NotImplemented,
+    # imported at the first call that can run a kernel (a CUDA tensor, or Triton's interpreter)
+    providers: dict[str, str] = field(default_factory=dict)
+    # "module:function" run(gm, ctx) after every pass, when any of the family's patterns is enabled
+    after_passes: str | None = None
+    # "module:function" backward_pass(cfg) -> run(gm, report) | None: a pass over aot_autograd's
+    # backward graphs, run at the first backward call
+    backward_pass: str | None = None
+    # "module:function" register(): hooks that must exist before Dynamo traces (library functions
+    # traced as xaccel ops); called when the backend loads and at every compile
+    trace_hooks: str | None = None
+
+    @property
+    def patterns(self) -> tuple[str, ...]:
+        return tuple(self.passes)
+
+    @property
+    def report_keys(self) -> tuple[str, ...]:
+        return tuple(self.passes) + self.reports
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family(
+        "gemm_epilogue",
+        passes={"gemm_epilogue": "torch_xaccel.lowering.gemm_epilogue.chains:run"},
+        ops="torch_xaccel.ops.gemm_epilogue",
+        providers={"gemm_epilogue": "torch_xaccel.codegen.gemm_epilogue:provider"},
+        backward_pass="torch_xaccel.lowering.gemm_epilogue.backward:backward_pass",
+    ),
+    Family(
+        "mlstm",
+        passes={"mlstm": "torch_xaccel.lowering.mlstm.parallel:run",
+                "mlstm_step": "torch_xaccel.lowering.mlstm.step:run"},
+        ops="torch_xaccel.ops.mlstm",
+        providers={"mlstm": "torch_xaccel.codegen.mlstm:forward",
+                   "mlstm_with_chunk_states": "torch_xaccel.codegen.mlstm:forward_keeping_states",
+                   "mlstm_backward": "torch_xaccel.codegen.mlstm:backward",
+                   "mlstm_step": "torch_xaccel.codegen.mlstm:step"},
+        after_passes="torch_xaccel.lowering.mlstm.chunk_states:run",
+        trace_hooks="torch_xaccel.lowering.mlstm.substitutions:register",
+    ),
+    # declared, not built: its ops, passes and kernels come with the sLSTM family
+    Family("slstm", reports=("slstm",)),
+)
+
+# When each pattern's pass runs. Larger patterns first: the mLSTM regions hold matmuls the GEMM
+# pass would otherwise take, and the step pass runs before the sequence form so that the steps it
+# replaces are not reported as unrecognized mLSTMs.
+PASS_ORDER: tuple[str, ...] = ("mlstm_step", "mlstm", "gemm_epilogue")
+
+PATTERNS: tuple[str, ...] = tuple(p for f in FAMILIES for p in f.patterns)  # what XACCEL_PATTERNS accepts
+REPORT_KEYS: tuple[str, ...] = tuple(k for f in FAMILIES for k in f.report_keys)  # counts() keys, in order
+
+assert sorted(PASS_ORDER) == sorted(PATTERNS), "PASS_ORDER must list every family's patterns once"
+
+
+def family_of(pattern: str) -> Family:
+    return next(f for f in FAMILIES if pattern in f.passes)
+
+
+def ordered_passes() -> list[tuple[str, str]]:
+    """(pattern, pass path) in PASS_ORDER."""
+    return [(p, family_of(p).passes[p]) for p in PASS_ORDER]
+
+
+def provider_paths(op: str) -> list[str]:
+    return [path for f in FAMILIES for name, path in f.providers.items() if name == op]
+
+
+def resolve(path: str):
+    """The object a "module:attribute" path names, looked up now (the module imported on first use)."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def import_ops() -> None:
+    """Register every family's torch.ops.xaccel.* ops."""
+    for f in FAMILIES:
+        if f.ops:
+            importlib.import_module(f.ops)
+
+
+def install_trace_hooks() -> None:
+    for f in FAMILIES:
+        if f.trace_hooks:
+            resolve(f.trace_hooks)()

@@ -1,0 +1,226 @@
+"""Registration of the mLSTM ops (schemas, fakes, autograd); their semantics are reference.py's.
+
+xaccel::mlstm, xaccel::mlstm_with_chunk_states (the same op keeping the state entering each
+chunk for its backward), xaccel::mlstm_backward (that backward as one opaque op) and
+xaccel::mlstm_step (one recurrent step, for decoding).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ... import runtime
+from . import reference, reference_backward
+from .reference import chunk_states_shapes, compute_dtype
+
+
+def _recompute_grads(fn, inputs, outputs_grads):
+    """Gradients by re-running `fn` on detached inputs under autograd (mlstm_step's backward; the
+    sequence op has an analytic one in reference_backward.py)."""
+    leaves = [t.detach().requires_grad_(True) if t is not None and t.is_floating_point() else None for t in inputs]
+    with torch.enable_grad():
+        outs = fn(*leaves)
+    pairs = [(o, g) for o, g in zip(outs, outputs_grads) if g is not None and o.requires_grad]
+    wanted = [t for t in leaves if t is not None]
+    if not pairs:
+        return [None] * len(inputs)
+    got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
+    return [next(got) if t is not None else None for t in leaves]
+
+
+OP_NAME = "mlstm"
+SAVING_OP_NAME = "mlstm_with_chunk_states"
+
+
+def case_key(q, k, v, i, f, C0, n0, m0, eps, chunk_size) -> tuple:
+    return (q.device.type, q.dtype, q.shape, v.shape, C0 is not None)
+
+
+def _reference_saving(*args):
+    return reference.forward(*args, keep_chunk_states=True)
+
+
+def run(q, k, v, i, f, C0, n0, m0, eps, chunk_size):
+    """Outputs are contiguous whatever path ran, as the fake function promises."""
+    outs = runtime.dispatch(OP_NAME, case_key, reference.forward, q, k, v, i, f, C0, n0, m0, eps, chunk_size)
+    return tuple(o.contiguous() for o in outs)
+
+
+@torch.library.custom_op("xaccel::mlstm", mutates_args=())
+def mlstm(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor | None, n0: Tensor | None,
+          m0: Tensor | None, eps: float, chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return run(q, k, v, i, f, C0, n0, m0, eps, chunk_size)
+
+
+@torch.library.custom_op("xaccel::mlstm_with_chunk_states", mutates_args=())
+def mlstm_with_chunk_states(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor | None,
+                            n0: Tensor | None, m0: Tensor | None, eps: float, chunk_size: int
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """xaccel::mlstm plus the state entering each chunk (C, n, m per chunk) and each row's den and
+    m (chunk_states_shapes), which its backward reads instead of recomputing them: the op a
+    training graph runs where the kernels' backward reads them. Those and the final state are
+    saved for the backward, so modifying any of them in place before it raises autograd's version
+    error (as for any saved output)."""
+    outs = runtime.dispatch(SAVING_OP_NAME, case_key, _reference_saving, q, k, v, i, f, C0, n0, m0, eps, chunk_size)
+    return tuple(o.contiguous() for o in outs)
+
+
+@mlstm.register_fake
+def _fake(q, k, v, i, f, C0, n0, m0, eps, chunk_size):
+    B, H, S, DK = q.shape
+    cd = compute_dtype(q)
+    return (q.new_empty(B, H, S, v.shape[-1]), q.new_empty(B, H, DK, v.shape[-1], dtype=cd),
+            q.new_empty(B, H, DK, dtype=cd), q.new_empty(B, H, dtype=cd))
+
+
+@mlstm_with_chunk_states.register_fake
+def _fake_saving(q, k, v, i, f, C0, n0, m0, eps, chunk_size):
+    kept = tuple(q.new_empty(shape, dtype=dtype) for shape, dtype in chunk_states_shapes(q, v, chunk_size))
+    return _fake(q, k, v, i, f, C0, n0, m0, eps, chunk_size) + kept
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, i, f, C0, n0, m0, eps, chunk_size = inputs
+    ctx.has_state = C0 is not None
+    # the output h too: the backward kernels read h . dh instead of recomputing the numerator;
+    # with kept chunk states, those and the final state (the backward's scan needs neither rerun)
+    kept = tuple(output[4:8]) + tuple(output[1:4]) if len(output) > 4 else ()
+    if kept:
+        ctx.mark_non_differentiable(*output[4:8])  # saved for the backward, not results
+    ctx.n_kept = len(kept)
+    ctx.save_for_backward(q, k, v, i, f, output[0], *kept, *((C0, n0, m0) if ctx.has_state else ()))
+    ctx.eps, ctx.chunk_size = eps, chunk_size
+    ctx.set_materialize_grads(False)  # unused final states get None: the backward skips them
+
+
+def _backward_reference(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states):
+    return reference_backward.backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps=eps, chunk_size=chunk_size)
+
+
+def _backward_key(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states) -> tuple:
+    return (q.device.type, q.dtype, q.shape, v.shape, C0 is not None, bool(chunk_states))
+
+
+def gradient_strides(t: Tensor) -> tuple[int, ...]:
+    """The strides of the gradient xaccel::mlstm_backward returns for input t: t's own when t is
+    a dense [B, H, S, D] with unit stride along D (the usual transposed projection, [B, S, H, D]
+    seen as [B, H, S, D]: its gradient then flows back through the transpose and the reshape as
+    a view, where a contiguous one costs a copy per input and layer), else contiguous. The fake
+    and every path of the backward follow this one rule, so that they agree."""
+    if t.dim() == 4 and t.stride(-1) == 1 and _dense(t):
+        return tuple(t.stride())
+    strides, step = [], 1
+    for d in reversed(t.shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def _dense(t: Tensor) -> bool:
+    """Whether t's elements fill one block of memory without gaps or overlaps, in any dim order."""
+    step = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != step:
+            return False
+        step *= size
+    return True
+
+
+def gradient_like(t: Tensor) -> Tensor:
+    """An empty gradient buffer for input t, in gradient_strides(t)."""
+    return t.new_empty_strided(t.shape, gradient_strides(t))
+
+
+def _in_gradient_layout(g: Tensor, t: Tensor) -> Tensor:
+    """g as the fake promises it: the kernels write q, k, v's gradients in gradient_strides
+    already; the reference's (and a copied input's) are copied into that layout."""
+    if g.stride() == gradient_strides(t):
+        return g
+    out = gradient_like(t)
+    out.copy_(g)
+    return out
+
+
+@torch.library.custom_op("xaccel::mlstm_backward", mutates_args=())
+def mlstm_backward(gh: Tensor | None, gC: Tensor | None, gn: Tensor | None, gm: Tensor | None, q: Tensor, k: Tensor,
+                   v: Tensor, i: Tensor, f: Tensor, C0: Tensor | None, n0: Tensor | None, m0: Tensor | None,
+                   eps: float, chunk_size: int, h: Tensor | None, chunk_states: list[Tensor]) -> list[Tensor]:
+    """xaccel::mlstm's backward as one opaque op, so that traced backward graphs hold a single
+    node whose kernel is picked at run time: [dq, dk, dv, di, df] (+ [dC0, dn0, dm0] with a state).
+    h: the forward's output, when saved (the kernels use it; the reference does not need it).
+    chunk_states: [] or mlstm_with_chunk_states' kept states and row terms and its final state
+    [Cs, ns, ms, rows, C, n, m] (the kernels skip their state scan and q k^T for the row terms
+    when their chunk length is chunk_size)."""
+    grads = runtime.dispatch("mlstm_backward", _backward_key, _backward_reference,
+                             gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states)
+    dqkv = [_in_gradient_layout(g, t) for g, t in zip(grads[:3], (q, k, v))]
+    return dqkv + [g.contiguous() for g in grads[3:] if g is not None]
+
+
+@mlstm_backward.register_fake
+def _backward_fake(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states):
+    # dq, dk, dv in gradient_strides (their input's layout when dense), the rest contiguous
+    return [gradient_like(t) for t in (q, k, v)] + [t.new_empty(t.shape) for t in
+                                                    (i, f, *((C0, n0, m0) if C0 is not None else ()))]
+
+
+def _backward(ctx, gh, gC, gn, gm, *_kept_grads):
+    saved = list(ctx.saved_tensors)
+    kept, rest = saved[6:6 + ctx.n_kept], saved[6 + ctx.n_kept:]
+    state = rest if ctx.has_state else [None, None, None]
+    grads = torch.ops.xaccel.mlstm_backward(gh, gC, gn, gm, *saved[:5], *state, ctx.eps, ctx.chunk_size, saved[5],
+                                            kept)
+    return (*grads, *([None] * (8 - len(grads))), None, None)
+
+
+mlstm.register_autograd(_backward, setup_context=_setup_context)
+mlstm_with_chunk_states.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- xaccel::mlstm_step ------------------------------------------------------------------------
+
+STEP_OP_NAME = "mlstm_step"
+
+
+def step_case_key(q, k, v, i, f, C, n, m, eps, scale_q) -> tuple:
+    return (q.device.type, q.dtype, q.shape, v.shape)
+
+
+def run_step(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C: Tensor, n: Tensor, m: Tensor,
+             eps: float, scale_q: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The op's body: the kernel if it takes the case, else the reference. Compiled forward graphs
+    call this directly (ops.DIRECT_CALLS): the custom-op layer is a large part of a decode step's
+    host time."""
+    outs = runtime.dispatch(STEP_OP_NAME, step_case_key, reference.step, q, k, v, i, f, C, n, m, eps, scale_q)
+    return tuple(o.contiguous() for o in outs)  # as the fake function promises
+
+
+@torch.library.custom_op("xaccel::mlstm_step", mutates_args=())
+def mlstm_step(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C: Tensor, n: Tensor, m: Tensor,
+               eps: float, scale_q: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return run_step(q, k, v, i, f, C, n, m, eps, scale_q)
+
+
+@mlstm_step.register_fake
+def _step_fake(q, k, v, i, f, C, n, m, eps, scale_q=False):
+    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return (q.new_empty(v.shape), C.new_empty(C.shape, dtype=cd), n.new_empty(n.shape, dtype=cd),
+            m.new_empty(m.shape, dtype=cd))
+
+
+def _step_setup_context(ctx, inputs, output):
+    *tensors, eps, scale_q = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.eps, ctx.scale_q = eps, scale_q
+
+
+def _step_backward(ctx, gh, gC, gn, gm):
+    grads = _recompute_grads(lambda *t: reference.step(*t, eps=ctx.eps, scale_q=ctx.scale_q), list(ctx.saved_tensors),
+                             [gh, gC, gn, gm])
+    return (*grads, None, None)
+
+
+mlstm_step.register_autograd(_step_backward, setup_context=_step_setup_context)
+
+# called directly by compiled forward graphs (ops.DIRECT_CALLS), past the dispatcher
+DIRECT_CALLS = {torch.ops.xaccel.mlstm_step.default: run_step}
