@@ -40,13 +40,13 @@ def _assert_grads_close(got, want, C0, n0, tol=5e-2):
 
 
 def _compile_concurrently(fwd, bwd, x, st, cots, h):
-    """Compile every candidate's kernels on a thread pool first, as tuning does (cache.precompile):
+    """Compile every candidate's kernels on a thread pool first, as tuning does (tuning.precompile):
     compiled one after another, the fp32 lists alone would take most of the test's device time."""
-    from torch_xaccel.codegen import cache
+    from torch_xaccel.codegen import tuning
     from torch_xaccel.codegen.mlstm import triton_kernels as mlstm_triton
 
-    cache.precompile(fwd, lambda c: mlstm_triton._warmup(lambda c: mlstm_triton._forward(c, *x, *st, 1e-6), c))
-    cache.precompile(bwd, lambda c: mlstm_triton._warmup(
+    tuning.precompile(fwd, lambda c: mlstm_triton._warmup(lambda c: mlstm_triton._forward(c, *x, *st, 1e-6), c))
+    tuning.precompile(bwd, lambda c: mlstm_triton._warmup(
         lambda c: mlstm_triton._backward(c, cots[0], *cots[1:], *x, *st, 1e-6, h), c))
 
 
