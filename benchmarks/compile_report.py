@@ -1,4 +1,6 @@
-"""Compile generated kernels for sm_90 WITHOUT a GPU and report registers, spills and shared memory.
+"""Do the generated kernels fit sm_90 (registers, spills, shared memory), checked without a GPU?
+
+Compile generated kernels for sm_90 WITHOUT a GPU and report registers, spills and shared memory.
 
     python benchmarks/compile_report.py [--mlstm-shapes 128x128,512x512] [--all-candidates] [--no-gemm] [--dtype fp32]
 

@@ -1,8 +1,9 @@
-"""First-call (compile) time of the 7B-width xLSTMLarge (B4 x 2048 tokens, bf16, native
+"""How long does the first call of the 7B-width xLSTMLarge take, cold and with warm caches?
+
+First-call (compile) time of the 7B-width xLSTMLarge (B4 x 2048 tokens, bf16, native
 configuration) compiled with backend="xaccel": prefill and train step, no steady-state timing.
 Run it twice with the same XACCEL_CACHE_DIR (and Inductor's cache, TORCHINDUCTOR_CACHE_DIR): the
-first process measures the cold compile, the second the warm one (issue 4's targets: <= 60 s cold,
-<= 10 s warm).
+first process measures the cold compile, the second the warm one.
 Per mode it prints the first call's seconds, how many tuning decisions were timed in it (a warm
 process should time none) and Inductor's cache counters. Run on the GPU machine:
 

@@ -1,4 +1,6 @@
-"""Build, on a machine without the GPU, the CUTLASS kernels that a GPU run of the whole-model bench
+"""Which CUTLASS kernels will a GPU run of the whole-model bench build, and can they be built ahead?
+
+Build, on a machine without the GPU, the CUTLASS kernels that a GPU run of the whole-model bench
 will time, so that the device's time goes to timing and not to nvcc (each build is slow, and the
 xLSTMLarge train step needs dozens of them).
 

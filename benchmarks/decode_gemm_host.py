@@ -1,4 +1,6 @@
-"""Host and GPU time of one decode-size GEMM chain (M = 1, bf16) on each path: cuBLAS with the
+"""At decode size (M = 1), which GEMM-chain path costs the least GPU + host time per call?
+
+Host and GPU time of one decode-size GEMM chain (M = 1, bf16) on each path: cuBLAS with the
 chain node by node (ops/gemm_epilogue/reference.aten_composition, what a case tuning gave to ATen
 runs) and each Triton config through a kept launch plan (codegen/gemm_epilogue/triton_kernels._Plan,
 launched directly from its second call). Shapes: the 7B-width xLSTMLarge's decode chains. Host

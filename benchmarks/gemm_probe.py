@@ -1,5 +1,8 @@
-"""Tuning aid (GPU): time every tile configuration of the generated GEMM + epilogue kernel for one
-shape against cuBLAS alone and the ATen composition, and profile a training step's kernels.
+"""How fast is each tile configuration of the GEMM + epilogue kernels for one shape, and where does a
+training step's GPU time go?
+
+A tuning aid (GPU): times every tile configuration of the generated GEMM + epilogue kernel for one
+shape against cuBLAS alone and the ATen composition, and profiles a training step's kernels.
 
     python benchmarks/gemm_probe.py configs M K N      # e.g. 16384 4096 16384, or 128 4096 16384
     python benchmarks/gemm_probe.py train [eager] [xaccel] [xaccel-nobwd] [inductor]

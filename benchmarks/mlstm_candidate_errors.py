@@ -1,4 +1,6 @@
-"""Relative error of every mLSTM tuning candidate (forward outputs h, C, n, m; backward gradients)
+"""Is every mLSTM tuning candidate right on this GPU?
+
+Relative error of every mLSTM tuning candidate (forward outputs h, C, n, m; backward gradients)
 against the fp64 reference / analytic backward, per head shape, dtype and initial state. A
 diagnostic for the GPU, where Triton can miscompile a kernel the interpreter runs right (see
 configs.SLICED); it also runs the sliced configs that mlstm_sweep.py --sliced times.

@@ -1,4 +1,6 @@
-"""Where the whole-model time goes: xLSTMLarge at 7B widths (B4 x 2048 tokens, bf16, native
+"""Where does the whole model's time go?
+
+xLSTMLarge at 7B widths (B4 x 2048 tokens, bf16, native
 configuration compiled with backend="xaccel"), prefill and one train step (mode train-loss: the
 loss compiled with the model) under the torch profiler, CUDA kernels grouped by kind. Run on the
 GPU machine:
