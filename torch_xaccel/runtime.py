@@ -66,6 +66,8 @@ def note_use(key) -> None:
     """Called on every kernel-provider call: one `is None` test unless explain() is collecting."""
     if SEEN is not None:
         SEEN.add(key)
+
+
 _BROKEN: set[tuple[str, str, tuple]] = set()
 EVENTS: list[RuntimeFallback] = []
 
