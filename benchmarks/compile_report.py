@@ -17,6 +17,9 @@ os.environ.setdefault("XACCEL_CACHE_DIR", os.path.join(tempfile.gettempdir(), "x
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
 from torch_xaccel.codegen import cache  # noqa: E402
 from torch_xaccel.codegen.gemm_epilogue.render import render_triton  # noqa: E402
 from torch_xaccel.codegen.limits import SHARED_LIMIT  # noqa: E402
@@ -25,9 +28,6 @@ from torch_xaccel.codegen.mlstm import (
     settings as mlstm_settings,
     triton_kernels as mlstm_triton,  # noqa: E402
 )
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
 from torch_xaccel.ops.gemm_epilogue.epilogue_ir import Epilogue  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)

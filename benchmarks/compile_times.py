@@ -48,6 +48,7 @@ def first_call(mode: str, small: bool) -> float:
 
 def main() -> None:
     from torch._dynamo.utils import counters
+
     from torch_xaccel.codegen import cache
 
     ap = argparse.ArgumentParser()

@@ -18,8 +18,8 @@ import os
 import sys
 
 import torch
-from torch_xaccel.codegen.gemm_epilogue import cutlass_kernels, triton_kernels as gemm_kernels
 
+from torch_xaccel.codegen.gemm_epilogue import cutlass_kernels, triton_kernels as gemm_kernels
 from torch_xaccel.ops.gemm_epilogue import reference
 
 

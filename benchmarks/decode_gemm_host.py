@@ -65,7 +65,6 @@ def host_us(fn, calls: int = 200) -> float:
 def main() -> None:
     from torch_xaccel.codegen import tuning
     from torch_xaccel.codegen.gemm_epilogue import triton_kernels as tg
-
     from torch_xaccel.ops.gemm_epilogue.reference import aten_composition
 
     ap = argparse.ArgumentParser()

@@ -21,9 +21,9 @@ import sys
 
 import torch
 import triton.testing
+
 from torch_xaccel.codegen import tuning
 from torch_xaccel.codegen.gemm_epilogue import triton_kernels as gemm_kernels
-
 from torch_xaccel.ops.gemm_epilogue.epilogue_ir import Epilogue
 from torch_xaccel.ops.gemm_epilogue.reference import forward as reference
 
@@ -85,6 +85,7 @@ def cutlass_sources(M, K, N):
 
 def cutlass(M, K, N):
     from torch.profiler import ProfilerActivity, profile
+
     from torch_xaccel.codegen.gemm_epilogue import cutlass_kernels
 
     cutlass_kernels.build_all(cutlass_sources(M, K, N), "probe")

@@ -10,8 +10,8 @@ Bounds as in the GPU tests (1e-2 forward, 5e-2 gradients; dm0 printed, not judge
     python benchmarks/mlstm_candidate_errors.py
 """
 import torch
-from torch_xaccel.codegen.mlstm import configs as mlstm_configs, triton_kernels as mlstm_triton
 
+from torch_xaccel.codegen.mlstm import configs as mlstm_configs, triton_kernels as mlstm_triton
 from torch_xaccel.ops import mlstm
 from torch_xaccel.ops.mlstm.reference_backward import backward as analytic
 

@@ -13,6 +13,7 @@ import json
 
 import torch
 import triton.testing
+
 from torch_xaccel.codegen.mlstm import configs as mlstm_configs, settings, triton_kernels as tm
 
 SHAPES = [(8, 16, 8192, 128, 128), (8, 8, 4096, 256, 512)]

@@ -33,9 +33,14 @@ def root() -> Path:
 def atomic_write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, or a directory where the file goes: no half file left
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 @contextlib.contextmanager
@@ -84,7 +89,7 @@ def load_source(name: str, source: str):
     path = root() / "kernels" / f"{name}.py"
     try:
         current = path.read_text()
-    except OSError:
+    except (OSError, ValueError):  # missing, unreadable, or not UTF-8: written anew
         current = None
     if current != source:
         atomic_write(path, source)

@@ -62,9 +62,15 @@ def _is_view(target) -> bool:
 
 
 def mutated_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """Nodes whose value is written in place somewhere in the graph, directly or through a view.
-
-    A chain may not fuse across such a value: the fused op would read it before the write."""
+    """Nodes whose value is written in place somewhere in the graph: directly, through a view
+    (which writes its base), or through its base or another view of it (which shares its
+    memory). A chain may not fuse across such a value: the fused op could read it before the
+    write, or after it."""
+    views: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        base = node.args[0] if node.op == "call_function" and node.args else None
+        if isinstance(base, torch.fx.Node) and _is_view(node.target):
+            views.setdefault(base, []).append(node)
     written: set[torch.fx.Node] = set()
     for node in graph.nodes:
         schema = getattr(node.target, "_schema", None)
@@ -75,11 +81,13 @@ def mutated_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
             if arg_schema.alias_info is not None and arg_schema.alias_info.is_write and isinstance(arg, torch.fx.Node):
                 written.add(arg)
     todo = list(written)
-    while todo:  # a write through a view writes its base too
+    while todo:  # the whole alias family: up to the base, down to every view of it
         n = todo.pop()
-        if n.op == "call_function" and _is_view(n.target) and isinstance(n.args[0], torch.fx.Node):
-            base = n.args[0]
-            if base not in written:
-                written.add(base)
-                todo.append(base)
+        related = list(views.get(n, ()))
+        if n.op == "call_function" and _is_view(n.target) and n.args and isinstance(n.args[0], torch.fx.Node):
+            related.append(n.args[0])
+        for r in related:
+            if r not in written:
+                written.add(r)
+                todo.append(r)
     return written

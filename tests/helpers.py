@@ -50,3 +50,20 @@ def interpret(script: str, tmp_path, *argv: str, timeout: int = 600) -> str:
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     return proc.stdout
+
+
+def fuzz_budget(default_cases: int) -> tuple[int, int]:
+    """(first seed, number of cases) of a fuzz test: a fixed CI budget, or XACCEL_FUZZ_START /
+    XACCEL_FUZZ_CASES."""
+    return int(os.environ.get("XACCEL_FUZZ_START", "0")), int(os.environ.get("XACCEL_FUZZ_CASES", str(default_cases)))
+
+
+def fuzz_batch(seeds, generate, check, describe) -> None:
+    """Run check(generate(seed)) for every seed; fail with each failing case's description."""
+    failures = []
+    for seed in seeds:
+        case = generate(seed)
+        why = check(case)
+        if why:
+            failures.append(f"seed {seed}: {why}\n{describe(case)}")
+    assert not failures, "\n\n".join(failures)

@@ -6,6 +6,7 @@ import os
 import time
 
 import pytest
+
 from torch_xaccel.codegen import cache, tuning
 
 

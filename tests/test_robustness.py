@@ -2,10 +2,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from torch_xaccel.lowering.gemm_epilogue import chains
 
 import torch_xaccel
 from torch_xaccel import runtime
+from torch_xaccel.lowering.gemm_epilogue import chains
 from torch_xaccel.report import Report, collect
 
 

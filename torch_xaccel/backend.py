@@ -27,6 +27,13 @@ from .report import Fallback, new_graph_report, publish
 
 families.install_trace_hooks()  # before Dynamo traces anything for this backend
 
+# Dynamo's own control flow (restart the analysis with other choices): raised through the backend
+# by aot_autograd's passes or by us, never swallowed as a backend failure
+try:
+    from torch._dynamo.exc import RestartAnalysis as _RestartAnalysis
+except ImportError:  # pragma: no cover - every supported torch has it
+    _RestartAnalysis = ()
+
 
 def _pointwise_ops(g: torch.fx.GraphModule) -> int:
     return sum(1 for n in g.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
@@ -114,6 +121,41 @@ def _backward_pass(cfg, report):
     return fuse
 
 
+def _specialize_float_inputs(gm: torch.fx.GraphModule) -> bool:
+    """Ask Dynamo to specialize the graph's unspecialized Python-float inputs (dynamic=True makes
+    a float argument, e.g. a norm's eps, a 0-d tensor input read back with .item()): the ATen trace
+    cannot use such a value where an op needs a concrete number. Returns whether any input was
+    newly marked; the caller then raises Dynamo's restart, which retraces with those floats as
+    constants (guarded on their values)."""
+    try:
+        from torch._dynamo.symbolic_convert import TensorifyState
+    except ImportError:
+        return False
+    marked = False
+    for node in gm.graph.find_nodes(op="placeholder"):
+        memo = getattr(node.meta.get("example_value"), "item_memo", None)
+        name = getattr(getattr(getattr(memo, "node", None), "_expr", None), "name", None)
+        if isinstance(name, str) and not TensorifyState.should_specialize(name):
+            TensorifyState.specialize(name)
+            marked = True
+    return marked
+
+
+def _trace_to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
+    """The Dynamo graph in ATen IR; a trace that fails where unspecialized float inputs exist
+    restarts Dynamo with them specialized."""
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+
+    from .lowering.normalize import to_aten
+
+    try:
+        return to_aten(gm, example_inputs)
+    except Exception as e:
+        if _specialize_float_inputs(gm):
+            raise TensorifyScalarRestartAnalysis from e
+        raise
+
+
 def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **options):
     """torch.compile(..., backend="xaccel"[, mode=..., options=...]); see modes.py for the mode."""
     families.install_trace_hooks()  # a library imported after the backend loaded: its next trace
@@ -124,18 +166,23 @@ def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **options):
     report = new_graph_report()
     report.fallback_backend, report.patterns = cfg.fallback, tuple(sorted(cfg.patterns))
     settings = describe(options.get("mode") or "default", patches, cfg.fallback)
+    restarting = False
     try:
         if cfg.disable:
             report.disabled = True
             return gm.forward
-        from .lowering import PassContext, run_passes
-        from .lowering.normalize import to_aten
+        from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+
+        from .lowering import CONSTANT_FLOATS, PassContext, run_passes
 
         training = torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
-        aten_gm = to_aten(gm, example_inputs)
+        aten_gm = _trace_to_aten(gm, example_inputs)
         aten_gm.meta["xaccel_example_inputs"] = example_inputs  # real values, for checks of cached constants
-        lowered = run_passes(aten_gm, PassContext(cfg, report, training))
+        ctx = PassContext(cfg, report, training)
+        lowered = run_passes(aten_gm, ctx)
+        if CONSTANT_FLOATS in ctx.requests and _specialize_float_inputs(gm):
+            raise TensorifyScalarRestartAnalysis  # traced again with those floats as constants
         if cfg.fallback == "eager":  # only the eager fallback leaves them unfused (the report's hint)
             report.eager_pointwise = _pointwise_ops(lowered)
         if not report.replacements:
@@ -150,6 +197,9 @@ def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **options):
                                      _backward_pass(cfg, report) if training else None)
         report.settings = settings  # (not on the paths that run the captured graph as it is)
         return compiled
+    except _RestartAnalysis:  # Dynamo traces the frame again and calls the backend anew
+        restarting = True
+        raise
     except Exception as e:  # noqa: BLE001 - the contract: never fail a compile because of xaccel
         report.replacements.clear()
         report.fallbacks.append(Fallback("backend", f"{type(e).__name__}: {e}; ran the captured graph unmodified"))
@@ -157,8 +207,9 @@ def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **options):
                       XaccelFallbackWarning, stacklevel=2)
         return gm.forward
     finally:
-        publish(report)
-        if cfg.log:
+        if not restarting:
+            publish(report)
+        if cfg.log and not restarting:
             from .report import Report
 
             print(Report(graphs=[report]), flush=True)

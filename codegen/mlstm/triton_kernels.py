@@ -153,6 +153,8 @@ def _supported(q, k, v, S, phase: str) -> bool:
     """Dtypes and head dims the templates cover, and a config of this phase that fits shared
     memory (else the op runs its reference)."""
     DK, DV = q.shape[-1], v.shape[-1]
+    if q.dtype == torch.bfloat16 and interpreting():
+        return False  # Triton's interpreter computes bf16 dots wrongly: the reference runs
     if not (q.dtype in configs.DTYPES and DK in configs.HEAD_DIMS and DV in configs.HEAD_DIMS and S > 0
             and all(t.dtype == q.dtype for t in (k, v)) and max(q.numel(), v.numel()) < INT32_LIMIT):
         return False  # (int32 offsets: larger tensors run the reference)
@@ -254,7 +256,8 @@ def backward_reads_kept_states(device_type: str, dtype: torch.dtype, DK: int, DV
     if not configs.keeping_forward_fits(DK, DV, dtype.itemsize, chunk_size):
         return False  # the op would run its reference
     if interpreting():
-        return device_type == "cpu" and configs.backward_config(DK, DV, dtype.itemsize)["L"] == chunk_size
+        return (device_type == "cpu" and dtype != torch.bfloat16
+                and configs.backward_config(DK, DV, dtype.itemsize)["L"] == chunk_size)
     cands = configs.backward_candidates(DK, DV, dtype.itemsize)
     return device_type == "cuda" and bool(cands) and all(c["L"] == chunk_size for c in cands)
 
@@ -284,6 +287,8 @@ def step(key, q, k, v, i, f, C, n, m, eps, scale_q=False):
     synchronisation, outputs allocated by the caching allocator)."""
     B, H, DK = q.shape
     DV = v.shape[-1]
+    if q.dtype == torch.bfloat16 and interpreting():
+        return NotImplemented  # Triton's interpreter computes bf16 dots wrongly: the reference runs
     if q.dtype not in configs.DTYPES or DK not in configs.HEAD_DIMS or DV not in configs.HEAD_DIMS \
             or not all(t.dtype == q.dtype for t in (k, v)) \
             or B * H * DK * DV >= INT32_LIMIT:  # int32 offsets into the state

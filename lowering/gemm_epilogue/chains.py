@@ -269,6 +269,8 @@ def _arg_specs(name: str, args, cur: torch.fx.Node, chain: Chain, cv):
             if bcast.startswith("!"):
                 return f"{name}: {bcast[1:]}"
             specs.append(("operand", arg, bcast))
+        elif isinstance(arg, bool):  # eager raises for some ops (x - True) where the fused op would not
+            return f"{name} with a Python bool operand"
         elif isinstance(arg, numbers.Number) and not isinstance(arg, complex):
             specs.append(("const", float(arg)))
         else:

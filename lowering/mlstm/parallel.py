@@ -29,7 +29,7 @@ import torch.fx
 
 from torch_xaccel.report import Fallback, Replacement
 
-from .. import PassContext
+from .. import CONSTANT_FLOATS, PassContext
 from ..graph_utils import location, val
 from . import provenance, substitutions
 from .matching import DYNAMIC_EPS, NoMatch, example_int, expect, is_op
@@ -400,6 +400,8 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         try:
             inputs, eps, nodes, mask_checks = match(h)
         except NoMatch as e:
+            if str(e) == DYNAMIC_EPS:
+                ctx.requests.add(CONSTANT_FLOATS)
             ls = _logsigmoid_upstream(h)
             if ls is not None and e.depth >= misses.get(ls, (-1,))[0]:
                 misses[ls] = (e.depth, str(e), location(h))

@@ -27,7 +27,7 @@ import torch.fx
 
 from torch_xaccel.report import Fallback, GraphReport, Replacement
 
-from .. import PassContext
+from .. import CONSTANT_FLOATS, PassContext
 from ..graph_utils import location, val
 from .matching import DYNAMIC_EPS, NoMatch, example_int, expect, is_op
 
@@ -196,7 +196,9 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             continue
         try:
             ins, eps, nodes, outs = match(h)
-        except NoMatch:
+        except NoMatch as e:
+            if str(e) == DYNAMIC_EPS:
+                ctx.requests.add(CONSTANT_FLOATS)
             continue  # a division is not evidence of a step; the mlstm pass reports mLSTM-like code
         region = set(nodes) - set(ins.values())
         # a same-dtype .to() returns its input, so the trace may route later uses of a result

@@ -4,11 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch_xaccel.codegen.gemm_epilogue import cutlass_kernels
-from torch_xaccel.lowering.gemm_epilogue import backward
 
 from tests.helpers import check_compiled, rel_err
 from torch_xaccel import config
+from torch_xaccel.codegen.gemm_epilogue import cutlass_kernels
+from torch_xaccel.lowering.gemm_epilogue import backward
 from torch_xaccel.ops.gemm_epilogue.epilogue_ir import GRAD, Epilogue, evaluate
 from torch_xaccel.report import Report, collect
 

@@ -6,8 +6,8 @@ import ctypes
 
 import pytest
 import torch
-from torch_xaccel.codegen.gemm_epilogue import cutlass_kernels
 
+from torch_xaccel.codegen.gemm_epilogue import cutlass_kernels
 from torch_xaccel.ops.gemm_epilogue.epilogue_ir import GRAD, UNARY, Epilogue
 
 GELU_RES = Epilogue(({"op": "acc", "index": 0}, {"op": "load", "operand": 0, "bcast": "row"},
@@ -145,7 +145,6 @@ def test_prebuild_records_the_kernels_tuning_would_time_on_an_h200():
     import os
 
     from torch_xaccel.codegen.gemm_epilogue import triton_kernels as gemm_kernels
-
     from torch_xaccel.ops import gemm_epilogue
     from torch_xaccel.ops.gemm_epilogue import reference
 

@@ -5,9 +5,9 @@ import time
 
 import pytest
 import torch
-from torch_xaccel.codegen.gemm_epilogue import cutlass_kernels
 
 from tests.helpers import rel_err
+from torch_xaccel.codegen.gemm_epilogue import cutlass_kernels
 from torch_xaccel.ops.gemm_epilogue.epilogue_ir import Epilogue
 from torch_xaccel.ops.gemm_epilogue.reference import forward as reference
 

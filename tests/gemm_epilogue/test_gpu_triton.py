@@ -2,9 +2,9 @@
 fp32 reference (bf16 and fp16), and tuning decisions that survive a corrupt cache."""
 import pytest
 import torch
-from torch_xaccel.codegen.gemm_epilogue import triton_kernels as gemm_kernels
 
 from tests.helpers import rel_err
+from torch_xaccel.codegen.gemm_epilogue import triton_kernels as gemm_kernels
 from torch_xaccel.ops.gemm_epilogue.epilogue_ir import Epilogue
 from torch_xaccel.ops.gemm_epilogue.reference import forward as reference
 
@@ -147,6 +147,7 @@ def test_gpu_time_excludes_the_cpu_launch_cost():
     import time
 
     import triton.testing
+
     from torch_xaccel.codegen import tuning
 
     x = torch.randn(64, 64, device="cuda")
@@ -164,9 +165,8 @@ def test_decode_tuning_times_every_decode_config_and_weighs_host_time(tmp_path, 
     """An M1 case (decode) times each DECODE config on the GPU; where ATen wins that, the entry
     holds both sides' host time and the decision is the lower GPU + host sum. The result matches
     the fp64 reference either way."""
-    from torch_xaccel.codegen import cache
-
     from torch_xaccel import runtime
+    from torch_xaccel.codegen import cache
 
     monkeypatch.setenv("XACCEL_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("XACCEL_CUTLASS", "0")

@@ -170,6 +170,7 @@ def test_candidates_fit_shared_memory_for_their_gemm_count_and_dtype():
     """With XACCEL_TUNE=0 the first candidate runs untimed, so it must fit: SMALL_M's first config
     does not for a small-M SwiGLU (two weight matrices), whose call would fall back to ATen."""
     import torch
+
     from torch_xaccel.codegen.gemm_epilogue import triton_kernels as tg
 
     for dtype in (torch.bfloat16, torch.float32):
@@ -186,6 +187,7 @@ def test_candidate_lists_by_shape_class():
     """Narrow outputs (gate projections) get the short narrow-tile list, whatever M; SwiGLU-style
     dual GEMMs and fp32 keep theirs."""
     import torch
+
     from torch_xaccel.codegen.gemm_epilogue import triton_kernels as tg
 
     assert tg.candidates(8192, 1, torch.bfloat16, 8) == tg.NARROW_N == tg.candidates(17, 1, torch.float16, 64)
@@ -205,8 +207,8 @@ def test_outputs_or_inputs_past_int32_offsets_go_to_aten(monkeypatch):
     3.3e9 outputs. Such a call runs the ATen composition (cuBLAS takes 64-bit sizes) instead of a
     kernel that would wrap around; one just below the limit still goes to the kernels."""
     import torch
-    from torch_xaccel.codegen.gemm_epilogue import triton_kernels as tg
 
+    from torch_xaccel.codegen.gemm_epilogue import triton_kernels as tg
     from torch_xaccel.ops.gemm_epilogue import reference as gemm_epilogue
 
     monkeypatch.setattr(gemm_epilogue, "aten_composition", lambda *a: "aten")
@@ -229,8 +231,8 @@ def test_launch_plan_runs_only_for_its_decision_and_layout(monkeypatch):
     same config object, no CUTLASS build pending for the case) and its inputs have the plan's
     strides; a plan that declines a call (TMA alignment) hands it to the general path."""
     import torch
-    from torch_xaccel.codegen.gemm_epilogue import triton_kernels as tg
 
+    from torch_xaccel.codegen.gemm_epilogue import triton_kernels as tg
     from torch_xaccel.ops.gemm_epilogue import reference as gemm_epilogue
 
     monkeypatch.setattr(gemm_epilogue, "aten_composition", lambda *a: "general path")
@@ -267,6 +269,7 @@ def test_direct_launch_steps_aside_when_triton_would_specialise_again(monkeypatc
     would specialise the same way (dtype, 16-byte alignment) on the device it was captured on, and
     passes the constexprs after the call's arguments on the current stream, as JITFunction.run does."""
     import torch
+
     from torch_xaccel.codegen import triton_launch as tl_
 
     calls = []
@@ -292,8 +295,8 @@ def test_aten_decision_keeps_a_plan_for_small_m_only_while_it_stands(monkeypatch
     checks skipped on later calls); a large M keeps none, and the plan stops once the decision
     is gone (a retune) or CUTLASS builds are pending for the case."""
     import torch
-    from torch_xaccel.codegen.gemm_epilogue import triton_kernels as tg
 
+    from torch_xaccel.codegen.gemm_epilogue import triton_kernels as tg
     from torch_xaccel.ops.gemm_epilogue import reference as gemm_epilogue
 
     calls = []

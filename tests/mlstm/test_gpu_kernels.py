@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 import torch
-from torch_xaccel.codegen.mlstm import settings as mlstm_settings
 
 from tests.helpers import rel_err
+from torch_xaccel.codegen.mlstm import settings as mlstm_settings
 from torch_xaccel.ops import mlstm
 
 pytestmark = pytest.mark.gpu
@@ -59,7 +59,6 @@ def test_every_tuning_candidate_matches_reference(DK, DV):
     k and dh sliced from wider rows (a fused projection), v and f contiguous. The kernels read
     them through their strides."""
     from torch_xaccel.codegen.mlstm import configs as mlstm_configs, triton_kernels as mlstm_triton
-
     from torch_xaccel.ops.mlstm import gradient_strides
     from torch_xaccel.ops.mlstm.reference_backward import backward as analytic
 
@@ -93,7 +92,6 @@ def test_fp32_candidates_fit_and_match_reference(DK, DV):
     """fp32 doubles every tile: the fp32 lists (smaller chunks and tiles from DQK 256 on) must
     build, fit shared memory and match the fp64 reference closely (fp32 dots, no TF32)."""
     from torch_xaccel.codegen.mlstm import configs as mlstm_configs, triton_kernels as mlstm_triton
-
     from torch_xaccel.ops.mlstm.reference_backward import backward as analytic
 
     torch.manual_seed(DK + 1)
@@ -232,7 +230,6 @@ def test_step_kernel_matches_reference_and_captures_in_a_cuda_graph(DK, DV):
                                                     (1, 2, 150, 512, 512, True)])
 def test_backward_kernel_matches_analytic_backward(B, H, S, DK, DV, with_state):
     from torch_xaccel.codegen.mlstm import triton_kernels as mlstm_triton
-
     from torch_xaccel.ops.mlstm.reference_backward import backward as analytic
 
     torch.manual_seed(S)
@@ -258,7 +255,6 @@ def test_backward_with_input_gates_past_fp32_exp_range(dtype, with_state):
     backward (fp32: within 1e-2, which leaves room for the fp32 reference's own rounding of such
     exponents). Also from kept chunk states."""
     from torch_xaccel.codegen.mlstm import triton_kernels as mlstm_triton
-
     from torch_xaccel.ops.mlstm.reference_backward import backward as analytic
 
     torch.manual_seed(95)
@@ -292,7 +288,6 @@ def test_gate_gradients_from_row_sums_stay_accurate(S, DK, DV, with_state, fast)
     algebra per chunk (a reverse cumsum of differently rounded terms) loses df accuracy. DQK 256
     runs a split config (SPLIT2, whatever tuning would pick), DQK 512 its unsplit default."""
     from torch_xaccel.codegen.mlstm import configs as mlstm_configs, triton_kernels as mlstm_triton
-
     from torch_xaccel.ops.mlstm.reference_backward import backward as analytic
 
     torch.manual_seed(S + DK)
@@ -322,8 +317,8 @@ def test_fused_route_matches_torch_route(monkeypatch, B, H, S, state, gates):
     backward with the torch tail (kept for the A/B in mlstm_sweep.py --route-ab) against the
     analytic fp64 backward, as every other backward test checks the fused one."""
     import torch.nn.functional as F
-    from torch_xaccel.codegen.mlstm import triton_kernels as mlstm_triton
 
+    from torch_xaccel.codegen.mlstm import triton_kernels as mlstm_triton
     from torch_xaccel.ops.mlstm.reference_backward import route_max_grads
 
     torch.manual_seed(S)

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch_xaccel.lowering.mlstm import provenance as mlstm_provenance
 
 from tests.helpers import check_compiled
+from torch_xaccel.lowering.mlstm import provenance as mlstm_provenance
 
 
 def chunkwise_kernel(q, k, v, i, f):

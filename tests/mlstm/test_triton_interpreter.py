@@ -187,6 +187,7 @@ def test_kernels_read_transposed_inputs_in_place(monkeypatch):
     full extra pass over each of them, per layer. The kernel math on such views: the interpreter
     tests above."""
     import torch
+
     from torch_xaccel.codegen.mlstm import configs as mlstm_configs, triton_kernels as tm
 
     launched, row_terms = [], []

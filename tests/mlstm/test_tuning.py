@@ -3,6 +3,7 @@ and the reference is an original kernel, never a newer variant (codegen/mlstm/tr
 import pytest
 import torch
 import triton.testing
+
 from torch_xaccel.codegen.mlstm import triton_kernels as mlstm_triton
 
 

@@ -43,8 +43,28 @@ def _saved_positions(epilogue: str) -> dict[int, int]:
     return {o: k for k, o in enumerate(ep.outputs) if o in reads}
 
 
+def _constant_outputs(epilogue: str, a, bs, operands) -> list[int]:
+    """Positions of the outputs that depend on no input requiring grad: eager gives such a value
+    requires_grad=False, though the op's other outputs may need gradients."""
+    ep = parse(epilogue)
+    grad_accs = {i for i, b in enumerate(bs) if a.requires_grad or b.requires_grad}
+    grad_ops = {j for j, t in enumerate(operands) if t.requires_grad}
+    needs = []
+    for i, n in enumerate(ep.nodes):
+        if n["op"] == "acc":
+            needs.append(n["index"] in grad_accs)
+        elif n["op"] == "load":
+            needs.append(n["operand"] in grad_ops)
+        else:
+            needs.append(any(needs[j] for j in n.get("in", ())))
+    return [k for k, o in enumerate(ep.outputs) if not needs[o]]
+
+
 def _setup_context(ctx, inputs, output):
     a, bs, operands, epilogue, b_transposed = inputs
+    constant = _constant_outputs(epilogue, a, bs, operands)
+    if constant:
+        ctx.mark_non_differentiable(*(output[k] for k in constant))
     pos = _saved_positions(epilogue)
     ctx.save_for_backward(a, *bs, *operands, *(output[k] for k in pos.values()))
     ctx.saved_nodes = list(pos)

@@ -6,8 +6,9 @@ where op(b) = b^T when `b_transposed` (an nn.Linear weight, N x K) and b otherwi
 the GEMM follows torch.matmul's shape rules (a: [..., M, K]; b: 2-D, or 3-D batched with a 3-D a).
 Two GEMMs express SwiGLU-style blocks: silu(a @ W1^T) * (a @ W3^T).
 
-Reference semantics: each GEMM runs in the input dtype (as eager does), the chain runs in fp32 on
-the accumulator and the result is rounded once to the input dtype. In fp32 this is exactly eager.
+Reference semantics: each GEMM runs in the input dtype (as eager does, a bias or residual add right
+after it inside it, as F.linear's addmm), the chain runs in fp32 on the accumulator and the result
+is rounded once to the input dtype. In fp32 this is exactly eager.
 Where tuning times ATen faster, the runtime runs aten_composition (the chain in eager's dtypes).
 """
 from __future__ import annotations
@@ -28,7 +29,10 @@ def b_nk(b: Tensor, b_transposed: bool) -> Tensor:
 
 
 def forward(a: Tensor, bs: list[Tensor], operands: list[Tensor], epilogue: str, b_transposed: bool) -> list[Tensor]:
-    return _compose(a, bs, operands, epilogue, b_transposed, torch.float32)
+    """The op's semantics. A bias or residual add right after a GEMM runs inside it (torch.addmm,
+    as F.linear adds its bias: one rounding, where a GEMM rounded to the input dtype and then
+    added would round twice, and near-zero pre-activations would then flip a relu's mask)."""
+    return _compose(a, bs, operands, epilogue, b_transposed, torch.float32, fold_adds=True)
 
 
 def aten_composition(a: Tensor, bs: list[Tensor], operands: list[Tensor], epilogue: str,
@@ -103,9 +107,9 @@ def _program(epilogue, a, bs, operands, b_transposed, chain_dtype, fold_adds):
             continue
         node, j, bcast = folds[i]
         folded[node] = i
+        bias = f"operands[{j}].flatten(0, -2)" if bcast == "full" else f"operands[{j}].reshape(n{i})"
         lines += [f"    n{i} = bs[{i}].shape[{0 if b_transposed else 1}]",
-                  f"    v{node} = torch.addmm(operands[{j}].reshape({'-1, ' if bcast == 'full' else ''}n{i}), "
-                  f"a.reshape(-1, a.shape[-1]), {b}).view(*a.shape[:-1], n{i}){cast}"]
+                  f"    v{node} = torch.addmm({bias}, a.flatten(0, -2), {b}).view(*a.shape[:-1], n{i}){cast}"]
     folded_accs = {k for k, n in enumerate(ep.nodes) if n["op"] == "acc" and n["index"] in folds}
     for k, n in enumerate(ep.nodes):
         op, ins = n["op"], ", ".join(f"v{j}" for j in n.get("in", ()))
@@ -156,7 +160,7 @@ def backward(grads, a, bs, operands, epilogue, b_transposed, saved=None):
         part = torch.matmul(g, b_nk(b, b_transposed)).sum_to_size(a.shape)
         da = part if da is None else da + part
         if b.dim() == 2:  # fold all leading dims of a into M: one large GEMM
-            a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
+            a2, g2 = a.flatten(0, -2), g.flatten(0, -2)  # (not reshape(-1, K): ambiguous when K or N is 0)
             db = g2.t() @ a2 if b_transposed else a2.t() @ g2
         else:
             db = (g.transpose(-1, -2) @ a if b_transposed else a.transpose(-1, -2) @ g).sum_to_size(b.shape)
