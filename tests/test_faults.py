@@ -76,6 +76,23 @@ def test_an_impossible_cache_dir_falls_back_with_the_reason(tmp_path, monkeypatc
         runtime.unregister_provider("gemm_epilogue", needs_the_cache)
 
 
+def test_a_read_only_cache_falls_back_and_a_readable_entry_still_serves(cache_dir, monkeypatch):
+    """A read-only cache (every write refused, as on a read-only mount; root ignores chmod, so the
+    refusal is injected): a decision already stored is still read and used; a new one cannot be
+    stored, which raises a clear OSError (the runtime reports it and runs the reference)."""
+    cache.write_entry("tuning", "stored", {"config": [3]})
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(30, "Read-only file system")
+
+    monkeypatch.setattr(cache.tempfile, "mkstemp", refuse)
+    valid = lambda e: isinstance(e, dict) and "config" in e  # noqa: E731
+    assert tuning.decide("stored", untimed=[0], valid=valid, tune=lambda: {"config": [9]}).config == [3]
+    with pytest.raises(PermissionError, match="Read-only"):
+        tuning.decide("new", untimed=[0], valid=valid, tune=lambda: {"config": [9]})
+    assert cache.read_entry("tuning", "stored") == {"config": [3]}
+
+
 def _load_same_kernel(root, name):
     os.environ["XACCEL_CACHE_DIR"] = root
     mod = cache.load_source(name, f"VALUE = {sum(range(1000))}\n")

@@ -34,6 +34,7 @@ class Case:
     dynamic: bool | None
     second_m: int | None  # a second call with this M (shapes change between calls)
     m: int = 4
+    other_dtypes: dict | None = None  # input name -> a dtype other than the case's (mixed dtypes)
 
     def make_inputs(self, m: int | None = None, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 7919 + (m or 0))
@@ -44,7 +45,7 @@ class Case:
             t = torch.randn(shape, generator=g, dtype=torch.float64)
             if name.startswith("d"):  # divisors: away from zero
                 t = t.sign() * (0.5 + t.abs())
-            t = t.to(dtype or self.dtype)
+            t = t.to(dtype or (self.other_dtypes or {}).get(name, self.dtype))
             out.append(t.requires_grad_(grad and self.mode == "grad"))
         return out
 
@@ -52,7 +53,8 @@ class Case:
         shapes = ", ".join(f"{n}={s}" for n, s, _ in self.inputs)
         return textwrap.dedent(f"""\
             # xaccel fuzz case, seed {self.seed}: {self.dtype}, mode {self.mode}, dynamic={self.dynamic},
-            # second call at M={self.second_m}; inputs {shapes} (requires_grad: {[n for n, _, g in self.inputs if g]})
+            # second call at M={self.second_m}; inputs {shapes} (requires_grad: {[n for n, _, g in self.inputs if g]},
+            # other dtypes: {self.other_dtypes})
             import torch
             {self.source}
             from tests.gemm_epilogue.fuzz import generate
@@ -64,7 +66,8 @@ class Case:
 
 def _operand(rng: random.Random, inputs: list, lead: tuple, n: int, kind: str | None = None) -> str:
     """A tensor or number the chain combines with: its name or literal."""
-    kind = kind or rng.choice(["row", "full", "col", "scalar", "number", "number", "int", "full_view"])
+    kind = kind or rng.choice(["row", "full", "col", "scalar", "number", "number", "int", "full_view",
+                               "full_slice"])
     idx = len(inputs)
     if kind == "number":
         return repr(round(rng.uniform(-2, 2), 3))
@@ -74,6 +77,9 @@ def _operand(rng: random.Random, inputs: list, lead: tuple, n: int, kind: str | 
     if kind == "full_view":  # a transposed view of a [N, M] input
         inputs.append((f"t{idx}", (*lead, n, "M"), rng.random() < 0.3))
         return f"t{idx}.transpose(-1, -2)"
+    if kind == "full_slice":  # the first n columns of a wider input
+        inputs.append((f"s{idx}", (*lead, "M", n + 3), rng.random() < 0.3))
+        return f"s{idx}[..., :{n}]"
     inputs.append((f"o{idx}", shape, rng.random() < 0.3))
     return f"o{idx}"
 
@@ -149,7 +155,10 @@ def generate(seed: int) -> Case:
     outputs.insert(0, "h")
     src = "def fn({}):\n    {}\n    return {}\n".format(
         ", ".join(n for n, _, _ in inputs), "\n    ".join(body), ", ".join(outputs))
-    return Case(seed, src, inputs, dtype, mode, dynamic, rng.choice([None, None, 3, 6]), rng.choice([1, 3, 5, 8]))
+    others = [n for n, _, _ in inputs if n[0] in "oda"]
+    mixed = {n: rng.choice([torch.float32, torch.float64, torch.float16]) for n in others if rng.random() < 0.08}
+    return Case(seed, src, inputs, dtype, mode, dynamic, rng.choice([None, None, 3, 6]), rng.choice([1, 3, 5, 8]),
+                {n: d for n, d in mixed.items() if d != dtype})
 
 
 def _divisor(rng, inputs, lead, n) -> str:

@@ -24,9 +24,10 @@ def test_the_generator_covers_what_it_promises():
     cases = [generate(seed) for seed in range(300)]
     sources = "\n".join(c.source for c in cases)
     for needle in (".mul_(", ".add_(", "linear(x, w, b)", "torch.mm(", "silu(", "transpose(-1, -2)", "- True",
-                   "h0 = h", " / "):
+                   "h0 = h", " / ", "[..., :", "v = o"):
         assert needle in sources, needle
     assert {c.mode for c in cases} == {"grad", "no_grad", "inference_mode"}
     assert {c.dynamic for c in cases} == {None, False, True}
     assert {str(c.dtype) for c in cases} == {"torch.float32", "torch.float16", "torch.bfloat16"}
     assert any(c.second_m for c in cases) and any(any(g for _, _, g in c.inputs) for c in cases)
+    assert any(c.other_dtypes for c in cases)

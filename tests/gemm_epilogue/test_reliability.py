@@ -121,3 +121,28 @@ def test_bf16_under_the_interpreter_runs_the_reference(monkeypatch):
     ep = Epilogue(({"op": "acc", "index": 0}, {"op": "relu", "in": [0]}), (1,)).to_json()
     a, b = torch.randn(16, 32).bfloat16(), torch.randn(16, 32).bfloat16()
     assert triton_kernels.provider("case", a, [b], [], ep, True) is NotImplemented
+
+
+def test_bf16_gradient_of_a_divisor_rounds_in_eagers_order():
+    """d(x / y)/dy in bf16: -g * ((x / y) / y), ATen's order, gives eager's gradient exactly; the
+    same value in another order (-g * x / (y * y)) was far from it where the sum over a row
+    cancels."""
+    g = torch.Generator().manual_seed(18040)
+    x = torch.randn(3, 16, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(4, 16, generator=g).bfloat16()
+    d = (torch.randn(3, 1, generator=g).sign() * (0.5 + torch.rand(3, 1, generator=g))).bfloat16().requires_grad_()
+
+    def fn(x, w, d):
+        return F.linear(x, w) / d
+
+    def grads(f):
+        leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in (x, w, d)]
+        out = f(*leaves)
+        (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        return out, [leaves[0].grad, leaves[2].grad]
+
+    want, want_g = grads(fn)
+    torch._dynamo.reset()
+    got, got_g = grads(torch.compile(fn, backend="xaccel"))
+    assert torch_xaccel.last_report().counts()["gemm_epilogue"] == 1
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_g, want_g))

@@ -7,7 +7,7 @@ CI runs a fixed budget of seeds; XACCEL_FUZZ_CASES=N runs N (XACCEL_FUZZ_START t
 import pytest
 
 from tests.helpers import fuzz_batch, fuzz_budget
-from tests.mlstm.fuzz import check, generate
+from tests.mlstm.fuzz import check, check_op, generate, generate_op
 
 START, CASES = fuzz_budget(100)
 BATCH = 25
@@ -17,6 +17,11 @@ BATCH = 25
 def test_random_mlstm_forms_match_eager(first):
     fuzz_batch(range(first, min(first + BATCH, START + CASES)), generate, check,
                lambda c: f"{c.source}\n{c.shapes}, {c.mode}, dynamic={c.dynamic}")
+
+
+@pytest.mark.parametrize("first", range(START, START + CASES, BATCH))
+def test_the_op_with_random_states_shapes_and_gates_matches_its_formula(first):
+    fuzz_batch(range(first, min(first + BATCH, START + CASES)), generate_op, check_op, repr)
 
 
 def test_a_wrong_scale_is_not_proven_equal():

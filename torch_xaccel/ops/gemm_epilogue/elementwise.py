@@ -79,7 +79,7 @@ OPS: tuple[Elementwise, ...] = (
     Elementwise("mul", "binary", torch.mul, (aten.mul.Tensor,), triton=("{x} * {y}",), cutlass=("{x} * {y}",),
                 grad_reads="inputs", vjp=lambda g, x, y: (g * y, g * x)),
     Elementwise("div", "binary", torch.div, (aten.div.Tensor,), triton=("{x} / {y}",), cutlass=("{x} / {y}",),
-                grad_reads="inputs", vjp=lambda g, x, y: (g / y, -g * x / (y * y))),
+                grad_reads="inputs", vjp=lambda g, x, y: (g / y, -g * ((x / y) / y))),  # ATen's own order
     # ---- activation gradients: (g, x) ------------------------------------------------------------
     Elementwise("gelu_grad", "grad", lambda g, x: aten.gelu_backward(g, x), (aten.gelu_backward.default,),
                 triton=("{g} * (0.5 * (1.0 + tl.erf({x} * 0.7071067811865476)) + {x} * 0.3989422804014327 * "
