@@ -1,5 +1,5 @@
-"""Whole-graph give-ups and cache faults a fuzzer and fault injection found: each now compiles,
-or repairs itself, and matches eager."""
+"""Whole-graph give-ups and cache faults a fuzzer and fault injection found: each must compile,
+or repair itself, and match eager."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

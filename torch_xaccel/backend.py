@@ -15,6 +15,10 @@ import warnings
 
 import torch
 
+# Dynamo's own control flow (restart the analysis with other choices): raised through the backend
+# by aot_autograd's passes or by us, never swallowed as a backend failure
+from torch._dynamo.exc import RestartAnalysis as _RestartAnalysis, TensorifyScalarRestartAnalysis
+
 from . import (
     config as _config,
     eager_calls,
@@ -26,13 +30,6 @@ from .modes import CUDAGRAPHS, describe, rest_options, warn_inductor_only
 from .report import Fallback, new_graph_report, publish
 
 families.install_trace_hooks()  # before Dynamo traces anything for this backend
-
-# Dynamo's own control flow (restart the analysis with other choices): raised through the backend
-# by aot_autograd's passes or by us, never swallowed as a backend failure
-try:
-    from torch._dynamo.exc import RestartAnalysis as _RestartAnalysis
-except ImportError:  # pragma: no cover - every supported torch has it
-    _RestartAnalysis = ()
 
 
 def _pointwise_ops(g: torch.fx.GraphModule) -> int:
@@ -144,8 +141,6 @@ def _specialize_float_inputs(gm: torch.fx.GraphModule) -> bool:
 def _trace_to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
     """The Dynamo graph in ATen IR; a trace that fails where unspecialized float inputs exist
     restarts Dynamo with them specialized."""
-    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
-
     from .lowering.normalize import to_aten
 
     try:
@@ -171,8 +166,6 @@ def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **options):
         if cfg.disable:
             report.disabled = True
             return gm.forward
-        from torch._dynamo.exc import TensorifyScalarRestartAnalysis
-
         from .lowering import CONSTANT_FLOATS, PassContext, run_passes
 
         training = torch.is_grad_enabled() and any(

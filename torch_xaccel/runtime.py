@@ -111,9 +111,12 @@ def dispatch(op: str, key_fn: Callable[..., tuple], reference: Callable, *args):
 
     key_fn(*args) names the case; it is only evaluated when a provider may run.
     """
-    providers = [p for p in _providers(op) if p.takes(args)]
-    key = key_fn(*args) if providers else ()
-    for provider in providers:
+    key = None
+    for provider in _providers(op):
+        if not provider.takes(args):
+            continue
+        if key is None:
+            key = key_fn(*args)
         name = provider.name
         if _BROKEN and (op, name, key) in _BROKEN:
             continue

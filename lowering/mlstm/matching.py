@@ -12,6 +12,14 @@ class NoMatch(Exception):
     """A step of the pattern did not hold; the message says which."""
 
 
+class DynamicEps(NoMatch):
+    """The form holds but its eps is a graph input (DYNAMIC_EPS): a pass asks the backend for the
+    graph's float inputs as constants (lowering.CONSTANT_FLOATS)."""
+
+    def __init__(self):
+        super().__init__(DYNAMIC_EPS)
+
+
 def is_op(node, *targets) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 

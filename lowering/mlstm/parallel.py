@@ -32,7 +32,7 @@ from torch_xaccel.report import Fallback, Replacement
 from .. import CONSTANT_FLOATS, PassContext
 from ..graph_utils import location, val
 from . import provenance, substitutions
-from .matching import DYNAMIC_EPS, NoMatch, example_int, expect, is_op
+from .matching import DynamicEps, NoMatch, example_int, expect, is_op
 
 FAMILY = "mlstm"
 aten = torch.ops.aten
@@ -289,7 +289,7 @@ def _match(h: torch.fx.Node, seen: list, checks: list):
     add = take(expect(den, aten.add.Tensor, what="n + eps"))
     (n, eps) = (add.args[0], add.args[1]) if isinstance(add.args[0], torch.fx.Node) else (add.args[1], add.args[0])
     if not isinstance(eps, numbers.Number):
-        raise NoMatch(DYNAMIC_EPS)
+        raise DynamicEps()
     mx = take(expect(n, aten.maximum.default, what="maximum(|sum C|, exp(-m))"))
 
     def abs_sum(node):
@@ -400,7 +400,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         try:
             inputs, eps, nodes, mask_checks = match(h)
         except NoMatch as e:
-            if str(e) == DYNAMIC_EPS:
+            if isinstance(e, DynamicEps):
                 ctx.requests.add(CONSTANT_FLOATS)
             ls = _logsigmoid_upstream(h)
             if ls is not None and e.depth >= misses.get(ls, (-1,))[0]:

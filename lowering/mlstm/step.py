@@ -29,7 +29,7 @@ from torch_xaccel.report import Fallback, GraphReport, Replacement
 
 from .. import CONSTANT_FLOATS, PassContext
 from ..graph_utils import location, val
-from .matching import DYNAMIC_EPS, NoMatch, example_int, expect, is_op
+from .matching import DynamicEps, NoMatch, example_int, expect, is_op
 
 FAMILY = "mlstm_step"
 aten = torch.ops.aten
@@ -84,7 +84,7 @@ def match(h: torch.fx.Node):
     take(add)
     mx, eps = (add.args[0], add.args[1]) if isinstance(add.args[0], torch.fx.Node) else (add.args[1], add.args[0])
     if not isinstance(eps, numbers.Number):
-        raise NoMatch(DYNAMIC_EPS)
+        raise DynamicEps()
 
     def abs_qn(x):
         a = expect(x, aten.abs.default, what="|q.n|")
@@ -197,7 +197,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         try:
             ins, eps, nodes, outs = match(h)
         except NoMatch as e:
-            if str(e) == DYNAMIC_EPS:
+            if isinstance(e, DynamicEps):
                 ctx.requests.add(CONSTANT_FLOATS)
             continue  # a division is not evidence of a step; the mlstm pass reports mLSTM-like code
         region = set(nodes) - set(ins.values())

@@ -1,4 +1,4 @@
-"""Cases a fuzzer and fault injection found wrong or refused: each runs as eager does now."""
+"""Cases a fuzzer and fault injection found wrong or refused: each must run as eager does."""
 import torch
 import torch.nn.functional as F
 
@@ -125,7 +125,7 @@ def test_bf16_under_the_interpreter_runs_the_reference(monkeypatch):
 
 def test_bf16_gradient_of_a_divisor_rounds_in_eagers_order():
     """d(x / y)/dy in bf16: -g * ((x / y) / y), ATen's order, gives eager's gradient exactly; the
-    same value in another order (-g * x / (y * y)) was far from it where the sum over a row
+    same value in another order (-g * x / (y * y)) is far from it where the sum over a row
     cancels."""
     g = torch.Generator().manual_seed(18040)
     x = torch.randn(3, 16, generator=g).bfloat16().requires_grad_()
