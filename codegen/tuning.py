@@ -57,10 +57,11 @@ def decide(key: str, *, untimed, valid, tune, usable=None, memo: dict | None = N
         return Decision(untimed)
     usable = usable or valid
     live = config.current().tune
-    if capturing() or not live:
+    in_capture = capturing()
+    if in_capture or not live:
         stored = cache.read_entry("tuning", key)
         decision = Decision(stored["config"], stored) if usable(stored) else Decision(untimed)
-        if memo is not None and not capturing():
+        if memo is not None and not in_capture:
             memo[key] = decision
         return decision
     entry = cache.read_entry("tuning", key)
