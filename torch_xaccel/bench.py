@@ -1,10 +1,10 @@
 """Side-by-side timings on the GPU, every path measured in one run:
 
-    python -m torch_xaccel.bench gemm|mlstm|model [--out DIR] [--quick] [--no-max-autotune] [--only TEXT]
+    python -m torch_xaccel.bench gemm|mlstm|model|slstm [--out DIR] [--quick] [--no-max-autotune] [--only TEXT]
 
 Prints one table (xaccel, eager, Inductor default, Inductor max-autotune, the cuBLAS matmuls
 alone) with times, TFLOP/s and ratios, checks xaccel against an fp32 reference, and writes
-DIR/bench_<suite>.md and DIR/bench_<suite>.png. Further suites (slstm) plug in here.
+DIR/bench_<suite>.md and DIR/bench_<suite>.png.
 """
 from __future__ import annotations
 
@@ -303,6 +303,88 @@ def run_mlstm_case(case: Case) -> list:
     return rows
 
 
+def slstm_seq(B, T, NH, D):
+    """The sLSTM over a sequence (pre-activations given): the persistent cluster kernel beside
+    FlashRNN's kernels and the eager loop of the same math."""
+    def make():
+        g = torch.Generator(device="cuda").manual_seed(0)
+        Wx = torch.randn(B, T, 4, NH, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        R = (torch.randn(NH, 4, D, D, device="cuda", generator=g) / D ** 0.5).bfloat16()
+        b = torch.randn(4, NH, D, device="cuda", generator=g)
+        return Wx, R, b
+    # per step: R [4 D x D] per head times h, for every batch row
+    return Case(f"sLSTM B{B} T{T} NH{NH} D{D}", 2 * B * T * NH * 4 * D * D, make, runner="slstm")
+
+
+def run_slstm_case(case: Case) -> list:
+    """Rows: xaccel::slstm forward (and fwd+bwd, whose backward is the ATen reference until its
+    kernel exists) with the xlstm package's variant (batch fresh rule, clamped gates), the eager
+    loop of the same math, FlashRNN's backends when importable (carry its wheel; its layouts:
+    R [4, NH, D, D], and n clamped at 1, which from a zero start changes nothing)."""
+    from torch_xaccel.ops.slstm import reference
+
+    Wx, R, b = case.make()
+    rows = []
+
+    def add(path, ms, extra=""):
+        rows.append(dict(case=case.name, path=path, ms=ms, tflops=case.flop / ms / 1e9, extra=extra))
+        print(f"  {path:44s} {ms:9.3f} ms  {case.flop / ms / 1e9:7.1f} TFLOP/s  {extra}", flush=True)
+
+    print(f"\n{case.name}", flush=True)
+    variant = ("batch", True, False)
+
+    def op():
+        return torch.ops.xaccel.slstm(Wx, R, b, None, None, None, None, *variant)
+
+    with torch.no_grad():
+        want = reference.forward(Wx[:2, :64].float(), R.float(), b, None, None, None, None, *variant)[0]
+        got = torch.ops.xaccel.slstm(Wx[:2, :64], R, b, None, None, None, None, *variant)[0]
+        err = _rel(got, want)
+        full = op()[0]
+    from torch_xaccel.codegen.slstm import cuda_kernels
+
+    declined = cuda_kernels.why_not(Wx, R, b)
+    path = "xaccel (CUDA cluster kernel) fwd" if declined is None else f"xaccel fwd: ATen reference ({declined})"
+    add(path, _bench(op, False), f"rel err vs fp32 reference (B2 T64) {err:.1e}")
+    leaves = [t.detach().requires_grad_() for t in (Wx, R, b)]
+
+    def fwd_bwd():
+        y = torch.ops.xaccel.slstm(*leaves, None, None, None, None, *variant)[0]
+        y.float().sum().backward()
+    if case.name.endswith("NH4 D192"):
+        add("xaccel fwd+bwd (ATen reference backward)", _bench(fwd_bwd, True, leaves))
+    with torch.no_grad():
+        eager = lambda: reference.forward(Wx, R, b, None, None, None, None, *variant)  # noqa: E731
+        add("eager loop (the reference's math)", _bench(eager, True))
+    try:
+        from flashrnn.flashrnn import flashrnn
+
+        Rf = R.transpose(0, 1).contiguous()
+        for backend in ("cuda", "cuda_fused"):
+            try:
+                run = lambda backend=backend: flashrnn(Wx, Rf, b.bfloat16(), function="slstm",  # noqa: E731
+                                                       backend=backend, dtype="bfloat16")
+                t0 = time.perf_counter()
+                h = run()[0][0]
+                torch.cuda.synchronize()
+                first = time.perf_counter() - t0
+                add(f"FlashRNN {backend} fwd", _bench(run, False),
+                    f"first call {first:.0f}s, rel err vs xaccel {_rel(h, full):.1e}")
+                fl = [t.detach().requires_grad_() for t in (Wx, Rf, b.bfloat16())]
+
+                def frnn_fwd_bwd(backend=backend, fl=fl):
+                    flashrnn(*fl, function="slstm", backend=backend, dtype="bfloat16")[0][0].float().sum().backward()
+                add(f"FlashRNN {backend} fwd+bwd", _bench(frnn_fwd_bwd, True, fl))
+            except Exception as e:  # noqa: BLE001 - an anchor that cannot run is reported, not fatal
+                print(f"  FlashRNN {backend} not run: {type(e).__name__}: {str(e)[:160]}")
+    except ImportError as e:
+        print(f"  FlashRNN anchors not run: {e}")
+    base = rows[0]["ms"]
+    for r in rows:
+        r["vs_cublas"], r["vs_xaccel"] = r["ms"] / base, r["ms"] / base
+    return rows
+
+
 # the xlstm package's kernel settings: its pure-PyTorch configuration, which xaccel compiles, and
 # its own Triton kernels (the anchor); the benchmarks/ scripts use the same two
 NATIVE_KERNELS = dict(chunkwise_kernel="chunkwise--native_autograd", sequence_kernel="native_sequence__native",
@@ -469,6 +551,9 @@ SUITES = {
     "mlstm": lambda quick: [mlstm_fwd(8, 16, 2048 if quick else 8192, 128, 128),
                             mlstm_fwd(8, 8, 1024 if quick else 4096, 256, 512),
                             mlstm_decode(1), mlstm_decode(8)],
+    "slstm": lambda quick: [slstm_seq(16, 256 if quick else 1024, 4, 192),
+                            slstm_seq(16, 256 if quick else 1024, 1, 768),
+                            slstm_seq(16, 1024, 8, 128), slstm_seq(64, 1024, 4, 192)],
 }
 
 
@@ -616,7 +701,8 @@ def main(argv=None) -> int:
     for case in SUITES[args.suite](args.quick):
         if args.only not in case.name:
             continue
-        runner = {"mlstm": run_mlstm_case, "model": run_model_case, "decode": run_decode_case}.get(case.runner)
+        runner = {"mlstm": run_mlstm_case, "model": run_model_case, "decode": run_decode_case,
+                  "slstm": run_slstm_case}.get(case.runner)
         rows += runner(case) if runner else run_case(case, not args.no_max_autotune)
         _empty_cache()
     md = markdown(rows, header)

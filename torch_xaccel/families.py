@@ -63,8 +63,12 @@ FAMILIES: tuple[Family, ...] = (
         after_passes="torch_xaccel.lowering.mlstm.chunk_states:run",
         trace_hooks="torch_xaccel.lowering.mlstm.substitutions:register",
     ),
-    # declared, not built: its ops, passes and kernels come with the sLSTM family
-    Family("slstm", reports=("slstm",)),
+    Family(
+        "slstm",
+        reports=("slstm",),
+        ops="torch_xaccel.ops.slstm",
+        providers={"slstm": "torch_xaccel.codegen.slstm:forward"},
+    ),
 )
 
 # When each pattern's pass runs. Larger patterns first: the mLSTM regions hold matmuls the GEMM

@@ -10,23 +10,9 @@ import torch
 from torch import Tensor
 
 from ... import runtime
+from ..recompute import recompute_grads
 from . import reference, reference_backward
 from .reference import chunk_states_shapes, compute_dtype
-
-
-def _recompute_grads(fn, inputs, outputs_grads):
-    """Gradients by re-running `fn` on detached inputs under autograd (mlstm_step's backward; the
-    sequence op has an analytic one in reference_backward.py)."""
-    leaves = [t.detach().requires_grad_(True) if t is not None and t.is_floating_point() else None for t in inputs]
-    with torch.enable_grad():
-        outs = fn(*leaves)
-    pairs = [(o, g) for o, g in zip(outs, outputs_grads) if g is not None and o.requires_grad]
-    wanted = [t for t in leaves if t is not None]
-    if not pairs:
-        return [None] * len(inputs)
-    got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
-    return [next(got) if t is not None else None for t in leaves]
-
 
 OP_NAME = "mlstm"
 SAVING_OP_NAME = "mlstm_with_chunk_states"
@@ -215,7 +201,7 @@ def _step_setup_context(ctx, inputs, output):
 
 
 def _step_backward(ctx, gh, gC, gn, gm):
-    grads = _recompute_grads(lambda *t: reference.step(*t, eps=ctx.eps, scale_q=ctx.scale_q), list(ctx.saved_tensors),
+    grads = recompute_grads(lambda *t: reference.step(*t, eps=ctx.eps, scale_q=ctx.scale_q), list(ctx.saved_tensors),
                              [gh, gC, gn, gm])
     return (*grads, None, None)
 

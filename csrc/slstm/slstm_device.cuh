@@ -1,0 +1,89 @@
+// Device helpers for the sLSTM kernels (built at run time with NVRTC; no CUDA headers needed):
+// 16-bit float conversions, the m16n8k16 tensor-core MMA, and the Hopper thread-block-cluster
+// primitives (distributed shared memory stores, the cluster barrier).
+#pragma once
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+// ---- 16-bit floats as raw bits (XACCEL_F16 selects fp16, else bf16) ---------------------------
+__device__ __forceinline__ float half_to_float(u16 h) {
+#ifdef XACCEL_F16
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#else
+    return __uint_as_float(((u32)h) << 16);
+#endif
+}
+
+__device__ __forceinline__ u16 float_to_half(float f) {
+    u16 h;
+#ifdef XACCEL_F16
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#else
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#endif
+    return h;
+}
+
+// acc[4] += A (16x16, row-major fragment a[4]) * B (16x8, column fragment b[2]), fp32 accumulate
+__device__ __forceinline__ void mma_16816(float* acc, const u32* a, const u32* b) {
+#ifdef XACCEL_F16
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// ---- thread-block clusters ---------------------------------------------------------------------
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ u32 shared_address(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// the address of the same shared-memory variable in CTA `rank` of this cluster
+__device__ __forceinline__ u32 remote_address(u32 local, u32 rank) {
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(local), "r"(rank));
+    return r;
+}
+
+__device__ __forceinline__ void store_remote_u32(u32 address, u32 value) {
+    asm volatile("st.shared::cluster.u32 [%0], %1;" :: "r"(address), "r"(value) : "memory");
+}
+
+__device__ __forceinline__ void store_remote_u16(u32 address, u16 value) {
+    asm volatile("st.shared::cluster.u16 [%0], %1;" :: "r"(address), "h"(value) : "memory");
+}
+
+// every thread of every CTA in the cluster; orders the stores before it with the loads after it
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+}
+
+// ---- the sLSTM cell, fp32 (reference.py's expressions) -----------------------------------------
+__device__ __forceinline__ float log_sigmoid(float x) {
+    return fminf(x, 0.f) - log1pf(expf(-fabsf(x)));
+}
+
+__device__ __forceinline__ float sigmoid(float x) {
+    return 1.f / (1.f + expf(-x));
+}
