@@ -317,9 +317,8 @@ def slstm_seq(B, T, NH, D):
 
 
 def run_slstm_case(case: Case) -> list:
-    """Rows: xaccel::slstm forward (and fwd+bwd, whose backward is the ATen reference until its
-    kernel exists) with the xlstm package's variant (batch fresh rule, clamped gates), the eager
-    loop of the same math, FlashRNN's backends when importable (carry its wheel; its layouts:
+    """Rows: xaccel::slstm forward and fwd+bwd with the xlstm package's variant (batch fresh rule,
+    clamped gates), the eager loop of the same math, FlashRNN's backends when importable (carry its wheel; its layouts:
     R [4, NH, D, D], and n clamped at 1, which from a zero start changes nothing)."""
     from torch_xaccel.ops.slstm import reference
 
@@ -348,11 +347,16 @@ def run_slstm_case(case: Case) -> list:
     add(path, _bench(op, False), f"rel err vs fp32 reference (B2 T64) {err:.1e}")
     leaves = [t.detach().requires_grad_() for t in (Wx, R, b)]
 
-    def fwd_bwd():
-        y = torch.ops.xaccel.slstm(*leaves, None, None, None, None, *variant)[0]
-        y.float().sum().backward()
-    if case.name.endswith("NH4 D192"):
-        add("xaccel fwd+bwd (ATen reference backward)", _bench(fwd_bwd, True, leaves))
+    def fwd_bwd(op):
+        def run():
+            y = op(*leaves, None, None, None, None, *variant)[0]
+            y.backward(torch.ones_like(y))
+        return run
+    bwd = "CUDA cluster kernel" if cuda_kernels.backward_reads_kept_states(Wx, R) else "ATen reference"
+    add(f"xaccel fwd+bwd ({bwd} backward)", _bench(fwd_bwd(torch.ops.xaccel.slstm_saving), True, leaves),
+        "xaccel::slstm_saving, what training graphs run")
+    add("xaccel fwd+bwd, forward rerun in the backward", _bench(fwd_bwd(torch.ops.xaccel.slstm), True, leaves),
+        "xaccel::slstm called eagerly under autograd")
     with torch.no_grad():
         eager = lambda: reference.forward(Wx, R, b, None, None, None, None, *variant)  # noqa: E731
         add("eager loop (the reference's math)", _bench(eager, True))
@@ -373,7 +377,8 @@ def run_slstm_case(case: Case) -> list:
                 fl = [t.detach().requires_grad_() for t in (Wx, Rf, b.bfloat16())]
 
                 def frnn_fwd_bwd(backend=backend, fl=fl):
-                    flashrnn(*fl, function="slstm", backend=backend, dtype="bfloat16")[0][0].float().sum().backward()
+                    h = flashrnn(*fl, function="slstm", backend=backend, dtype="bfloat16")[0][0]
+                    h.backward(torch.ones_like(h))
                 add(f"FlashRNN {backend} fwd+bwd", _bench(frnn_fwd_bwd, True, fl))
             except Exception as e:  # noqa: BLE001 - an anchor that cannot run is reported, not fatal
                 print(f"  FlashRNN {backend} not run: {type(e).__name__}: {str(e)[:160]}")

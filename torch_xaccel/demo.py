@@ -2,9 +2,9 @@
 
     python -m torch_xaccel.demo            # CPU: the reference path; CUDA GPU: the kernels (bf16)
 
-Today the model stacks mLSTM mixing blocks (the parallel form) with transformer-style MLP blocks
-(GEMM + elementwise chains, SwiGLU); sLSTM blocks join it when they land. Exit status 1 if
-compiled != eager.
+The model stacks mLSTM mixing blocks (the parallel form), sLSTM mixing blocks (a loop over time
+steps) and transformer-style MLP blocks (GEMM + elementwise chains, SwiGLU), all written in plain
+PyTorch. Exit status 1 if compiled != eager.
 """
 from __future__ import annotations
 
@@ -69,12 +69,44 @@ class MLSTMBlock(nn.Module):
         return self.out(h.transpose(1, 2).reshape(B, S, d)) + x
 
 
+class SLSTMBlock(nn.Module):
+    """Pre-norm sLSTM mixing layer written as a loop over time steps: per head a [4D, D] recurrent
+    block, exponential input and forget gates with a max-stabilizer, fresh rows where n == 0. The
+    recurrence runs in fp32."""
+
+    def __init__(self, d: int, heads: int = 4):
+        super().__init__()
+        self.h, self.norm = heads, nn.LayerNorm(d)
+        self.wx, self.out = nn.Linear(d, 4 * d), nn.Linear(d, d, bias=False)
+        self.R = nn.Parameter(torch.randn(heads, 4 * (d // heads), d // heads) / math.sqrt(d // heads))
+
+    def forward(self, x):
+        B, S, d = x.shape
+        H, D = self.h, d // self.h
+        wx = self.wx(self.norm(x)).float().view(B, S, 4, H, D)
+        R = self.R.float()
+        h = c = n = m = torch.zeros(B, H, D, device=x.device)
+        ys = []
+        for t in range(S):
+            raw = wx[:, t] + torch.einsum("bhk,hjk->bhj", h, R).view(B, H, 4, D).transpose(1, 2)
+            i, f, z, o = raw.unbind(1)
+            logfm = m + F.logsigmoid(f)
+            m_new = torch.where(n == 0, i, torch.maximum(i, logfm))
+            ig, fg = torch.exp(i - m_new), torch.exp(logfm - m_new)
+            c = fg * c + ig * torch.tanh(z)
+            n = fg * n + ig
+            h, m = torch.sigmoid(o) * c / n, m_new
+            ys.append(h)
+        y = torch.stack(ys, 1).reshape(B, S, d).to(x.dtype)
+        return self.out(y) + x
+
+
 class DemoModel(nn.Module):
     def __init__(self, d: int = 64, layers: int = 2, vocab: int = 101):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList(m for _ in range(layers)
-                                    for m in (MLSTMBlock(d), SwiGLU(d, 4 * d), GeluMLP(d, 4 * d)))
+                                    for m in (MLSTMBlock(d), SwiGLU(d, 4 * d), SLSTMBlock(d), GeluMLP(d, 4 * d)))
         self.head = nn.Linear(d, vocab)
 
     def forward(self, tokens):

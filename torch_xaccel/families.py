@@ -65,16 +65,22 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "slstm",
-        reports=("slstm",),
+        passes={"slstm": "torch_xaccel.lowering.slstm.sequence:run",
+                "slstm_step": "torch_xaccel.lowering.slstm.step:run"},
         ops="torch_xaccel.ops.slstm",
-        providers={"slstm": "torch_xaccel.codegen.slstm:forward"},
+        providers={"slstm": "torch_xaccel.codegen.slstm:forward",
+                   "slstm_saving": "torch_xaccel.codegen.slstm:forward_saving",
+                   "slstm_backward": "torch_xaccel.codegen.slstm:backward",
+                   "slstm_step": "torch_xaccel.codegen.slstm:step"},
+        after_passes="torch_xaccel.lowering.slstm.saving:run",
+        trace_hooks="torch_xaccel.lowering.slstm.substitutions:register",
     ),
 )
 
-# When each pattern's pass runs. Larger patterns first: the mLSTM regions hold matmuls the GEMM
-# pass would otherwise take, and the step pass runs before the sequence form so that the steps it
-# replaces are not reported as unrecognized mLSTMs.
-PASS_ORDER: tuple[str, ...] = ("mlstm_step", "mlstm", "gemm_epilogue")
+# When each pattern's pass runs. Larger patterns first: the mLSTM and sLSTM regions hold matmuls
+# the GEMM pass would otherwise take, and each family's step pass runs before its sequence form so
+# that the steps it replaces are not reported as unrecognized sequences.
+PASS_ORDER: tuple[str, ...] = ("slstm_step", "slstm", "mlstm_step", "mlstm", "gemm_epilogue")
 
 PATTERNS: tuple[str, ...] = tuple(p for f in FAMILIES for p in f.patterns)  # what XACCEL_PATTERNS accepts
 REPORT_KEYS: tuple[str, ...] = tuple(k for f in FAMILIES for k in f.report_keys)  # counts() keys, in order

@@ -47,14 +47,15 @@ def available() -> str | None:
     return None
 
 
-def render(D: int, NH: int, cfg: dict, dtype: torch.dtype, fresh: str, clamp_gates: bool,
-           clamp_n: bool) -> tuple[str, str]:
-    """(kernel name, source) of the forward specialised to these constants."""
+def render(kernel: str, D: int, NH: int, cfg: dict, dtype: torch.dtype, fresh: str, clamp_gates: bool,
+           clamp_n: bool, save: bool = False) -> tuple[str, str]:
+    """(kernel name, source) of the forward ("forward") or backward ("backward") specialised to
+    these constants. save: the forward also writes what the backward reads."""
     values = dict(D=D, NH=NH, BT=configs.BT, dtype=str(dtype).removeprefix("torch."), fresh=fresh,
-                  clamp_gates=clamp_gates, clamp_n=clamp_n, **cfg)
+                  clamp_gates=clamp_gates, clamp_n=clamp_n, save=save, **cfg)
     tag = hashlib.sha256(repr(sorted(values.items())).encode() + TEMPLATES.digest.encode()).hexdigest()[:16]
-    name = f"xaccel_slstm_forward_{tag}"
-    return name, TEMPLATES.render("slstm_forward.cu.jinja", name=name, **values)
+    name = f"xaccel_slstm_{kernel}_{tag}"
+    return name, TEMPLATES.render(f"slstm_{kernel}.cu.jinja", name=name, **values)
 
 
 def compile_cubin(name: str, source: str, arch: str) -> bytes:
@@ -97,27 +98,63 @@ def _stream(cc, device_index: int):
     return wrapped
 
 
-def launch(cfg: dict, Wx, R, b, h0, c0, n0, m0, first_fresh, fresh, clamp_gates, clamp_n):
-    B, T, _, NH, D = Wx.shape
-    name, source = render(D, NH, cfg, Wx.dtype, fresh, clamp_gates, clamp_n)
-    kernel = _kernel(name, source, _arch(Wx.device), Wx.device.index or 0)
-    y = Wx.new_empty(B, T, NH, D)
-    finals = [Wx.new_empty(B, NH, D, dtype=torch.float32) for _ in range(4)]
-    if T == 0 and h0 is not None:
-        for out, s in zip(finals, (h0, c0, n0, m0)):
-            out.copy_(s)
-        return (y, *finals)
+def _ptr(t) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _run(kernel_name: str, cfg: dict, Wx, fresh, clamp_gates, clamp_n, save, *args, shared: int = 0) -> None:
+    """Launch one kernel: Python ints pass as 64-bit values (addresses, strides), _int() as int.
+    shared: dynamic shared memory bytes."""
+    B, _, _, NH, D = Wx.shape
+    name, source = render(kernel_name, D, NH, cfg, Wx.dtype, fresh, clamp_gates, clamp_n, save)
+    device = Wx.device.index or 0
+    kernel = _kernel(name, source, _arch(Wx.device), device)
+    if shared:
+        _allow_shared(kernel, shared, device)
     cc = _cuda_core()
     blocks = NH * math.ceil(B / configs.BT) * cfg["C"]
+    cc.launch(_stream(cc, device), cc.LaunchConfig(grid=blocks, block=cfg["NW"] * 32, shmem_size=shared), kernel,
+              *args)
+
+
+_SHARED_SET: dict = {}
+
+
+def _allow_shared(kernel, nbytes: int, device: int) -> None:
+    """Raise the kernel's dynamic shared memory limit (48 KB unless asked) once per kernel."""
+    if _SHARED_SET.get((id(kernel), device), 0) >= nbytes:
+        return
+    from cuda.bindings import driver
+
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    handle = kernel.handle
+    if isinstance(handle, driver.CUkernel):
+        err, = driver.cuKernelSetAttribute(attr, nbytes, handle, device)
+    else:
+        err, = driver.cuFuncSetAttribute(handle, attr, nbytes)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"could not allow {nbytes} bytes of dynamic shared memory: {err}")
+    _SHARED_SET[(id(kernel), device)] = nbytes
+
+
+def launch(cfg: dict, Wx, R, b, h0, c0, n0, m0, first_fresh, fresh, clamp_gates, clamp_n, save=False):
+    """(y, hT, cT, nT, mT), and with save the backward's inputs (raw [B, T, 4, NH, D] and c, n, m
+    [3, B, T, NH, D], fp32)."""
+    B, T, _, NH, D = Wx.shape
+    y = Wx.new_empty(B, T, NH, D)
+    finals = [Wx.new_empty(B, NH, D, dtype=torch.float32) for _ in range(4)]
+    kept = (Wx.new_empty(B, T, 4, NH, D, dtype=torch.float32), Wx.new_empty(3, B, T, NH, D, dtype=torch.float32)) \
+        if save else (None, None)
+    if T == 0:
+        for out, s in zip(finals, (h0, c0, n0, m0)):
+            out.copy_(s) if s is not None else out.zero_()
+        return (y, *finals, *kept) if save else (y, *finals)
     flag = first_fresh if isinstance(first_fresh, torch.Tensor) else None
-
-    def ptr(t):
-        return 0 if t is None else t.data_ptr()
-
-    cc.launch(_stream(cc, Wx.device.index or 0), cc.LaunchConfig(grid=blocks, block=cfg["NW"] * 32), kernel,
-              ptr(Wx), Wx.stride(0), Wx.stride(1), ptr(R), ptr(b), ptr(h0), ptr(c0), ptr(n0), ptr(m0), ptr(flag),
-              _int(0 if flag is not None else int(first_fresh)), ptr(y), *(ptr(f) for f in finals), _int(B), _int(T))
-    return (y, *finals)
+    _run("forward", cfg, Wx, fresh, clamp_gates, clamp_n, save,
+         _ptr(Wx), Wx.stride(0), Wx.stride(1), _ptr(R), _ptr(b), _ptr(h0), _ptr(c0), _ptr(n0), _ptr(m0), _ptr(flag),
+         _int(0 if flag is not None else int(first_fresh)), _ptr(y), *(_ptr(f) for f in finals), _ptr(kept[0]),
+         _ptr(kept[1]), _int(B), _int(T))
+    return (y, *finals, *kept) if save else (y, *finals)
 
 
 def _int(v: int):
@@ -190,10 +227,7 @@ def forward(key, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n):
     first_fresh = _first_fresh(fresh, n0)
     if first_fresh is None:
         return NotImplemented
-    Wx = _aligned(Wx)
-    R = R.contiguous()
-    b = b.float().contiguous()
-    states = [None if s is None else s.float().contiguous() for s in (h0, c0, n0, m0)]
+    Wx, R, b, states = _prepared(Wx, R, b, (h0, c0, n0, m0))
     short = Wx[:, :min(Wx.shape[1], 256)]
 
     def run(cfg, W=Wx):
@@ -203,6 +237,88 @@ def forward(key, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n):
     runtime.record_choice(key, "slstm", f"B{Wx.shape[0]} T{Wx.shape[1]} NH{Wx.shape[3]} D{Wx.shape[4]}",
                           f"cuda cluster C{cfg['C']} warps{cfg['NW']}")
     return run(cfg)
+
+
+def forward_saving(key, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n):
+    """Kernel path for xaccel::slstm_saving: the forward writing what the backward kernel reads."""
+    if _takes(Wx, R, b) is not None or configs.backward_default(Wx.shape[-1]) is None:
+        return NotImplemented
+    first_fresh = _first_fresh(fresh, n0)
+    if first_fresh is None:
+        return NotImplemented
+    Wx, R, b, states = _prepared(Wx, R, b, (h0, c0, n0, m0))
+    cfg = _tuned_config(key, Wx, lambda c: launch(c, Wx[:, :min(Wx.shape[1], 256)], R, b, *states, first_fresh,
+                                                   fresh, clamp_gates, clamp_n))
+    runtime.record_choice(key, "slstm_saving", f"B{Wx.shape[0]} T{Wx.shape[1]} NH{Wx.shape[3]} D{Wx.shape[4]}",
+                          f"cuda cluster C{cfg['C']} warps{cfg['NW']}")
+    return launch(cfg, Wx, R, b, *states, first_fresh, fresh, clamp_gates, clamp_n, save=True)
+
+
+def _prepared(Wx, R, b, states):
+    return _aligned(Wx), R.contiguous(), b.float().contiguous(), [None if s is None else s.float().contiguous()
+                                                                    for s in states]
+
+
+def backward(key, gy, ghT, gcT, gnT, gmT, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n, y, kept):
+    """Kernel path for xaccel::slstm_backward: the reverse-time cluster kernel for dWx and the
+    initial states' gradients, then dR and db as reductions of dWx (one GEMM, one sum)."""
+    D = Wx.shape[-1]
+    cfg = configs.backward_default(D)
+    if _takes(Wx, R, b) is not None or cfg is None:
+        return NotImplemented
+    first_fresh = _first_fresh(fresh, n0)
+    if first_fresh is None:
+        return NotImplemented
+    B, T, _, NH, _ = Wx.shape
+    W, Rc, bc, states = _prepared(Wx, R, b, (h0, c0, n0, m0))
+    if kept:
+        raw, cnm = kept
+    else:  # an op called outside a training graph: run the forward again, keeping what the kernel reads
+        fcfg = configs.default(D)
+        raw, cnm = launch(fcfg, W, Rc, bc, *states, first_fresh, fresh, clamp_gates, clamp_n, save=True)[5:]
+    dWx = Wx.new_empty(B, T, 4, NH, D)
+    has_state = h0 is not None
+    state_grads = [Wx.new_empty(B, NH, D, dtype=torch.float32) for _ in range(4)] if has_state else [None] * 4
+    finals = [None if g is None else g.float().contiguous() for g in (ghT, gcT, gnT, gmT)]
+    dy = None if gy is None else gy.to(Wx.dtype).contiguous()
+    runtime.record_choice(key, "slstm_backward", f"B{B} T{T} NH{NH} D{D}", f"cuda cluster C{cfg['C']} warps{cfg['NW']}")
+    if T > 0:
+        flag = first_fresh if isinstance(first_fresh, torch.Tensor) else None
+        _run("backward", cfg, W, fresh, clamp_gates, clamp_n, False,
+             _ptr(raw), _ptr(cnm), _ptr(Rc), *(_ptr(s) for s in states[1:]), _ptr(flag),
+             _int(0 if flag is not None else int(first_fresh)), _ptr(dy), *(_ptr(f) for f in finals), _ptr(dWx),
+             *(_ptr(g) for g in state_grads), _int(B), _int(T),
+             shared=configs.backward_shared_bytes(D, cfg["U"], cfg["NW"], cfg["STAGES"]))
+    else:
+        dWx.zero_()
+        for g, f in zip(state_grads, finals):
+            if g is not None:
+                g.copy_(f) if f is not None else g.zero_()
+    db = dWx.sum((0, 1), dtype=torch.float32).to(b.dtype)
+    h_first = (h0.to(Wx.dtype) if has_state else Wx.new_zeros(B, NH, D)).unsqueeze(1)
+    h_prev = torch.cat((h_first, y[:, :-1].to(Wx.dtype)), 1)  # the h each step's product read
+    dR = _weight_gradient(dWx, h_prev).to(R.dtype)
+    grads = [dWx, dR, db]
+    if has_state:
+        grads += [g.to(s.dtype) for g, s in zip(state_grads, (h0, c0, n0, m0))]
+    return grads
+
+
+def _weight_gradient(dWx, h_prev):
+    """dR[h, g] = sum over (b, t) of dWx[b, t, g, h, :]^T h_prev[b, t, h, :]: one batched GEMM per
+    gate over strided views (no copy of dWx)."""
+    B, T, _, NH, D = dWx.shape
+    H = h_prev.reshape(B * T, NH, D).transpose(0, 1)  # [NH, B*T, D]
+    # dWx[:, :, g] as [NH, B*T, D]: rows 4*NH*D apart, a view
+    return torch.stack([torch.bmm(dWx[:, :, g].reshape(B * T, NH, D).transpose(0, 1).transpose(1, 2), H)
+                        for g in range(4)], 1)
+
+
+def backward_reads_kept_states(Wx, R) -> bool:
+    """Whether a training graph's xaccel.slstm should keep its per-step states: the backward
+    kernel runs for this case (a CUDA device with clusters, the dtype and head dim it takes)."""
+    return Wx.device.type == "cuda" and Wx.dtype in configs.DTYPES and R.dtype == Wx.dtype \
+        and configs.backward_default(Wx.shape[-1]) is not None and available() is None
 
 
 def why_not(Wx, R, b) -> str | None:

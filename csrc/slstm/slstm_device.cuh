@@ -5,6 +5,7 @@
 
 typedef unsigned short u16;
 typedef unsigned int u32;
+typedef unsigned long long u64_t;
 
 // ---- 16-bit floats as raw bits (XACCEL_F16 selects fp16, else bf16) ---------------------------
 __device__ __forceinline__ float half_to_float(u16 h) {
@@ -86,4 +87,75 @@ __device__ __forceinline__ float log_sigmoid(float x) {
 
 __device__ __forceinline__ float sigmoid(float x) {
     return 1.f / (1.f + expf(-x));
+}
+
+// ---- asynchronous copies: a per-thread ring of 32-bit words prefetched steps ahead -------------
+// Each thread copies and later reads back only its own words, so cp.async.wait_group alone makes
+// them visible (no barrier needed). src_bytes == 0 fills the word with zeros (rows past B).
+__device__ __forceinline__ void copy_async_u32(u32* dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
+                 :: "r"(shared_address(dst)), "l"(src), "r"(valid ? 4 : 0) : "memory");
+}
+
+__device__ __forceinline__ void copy_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int PENDING>
+__device__ __forceinline__ void copy_async_wait() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(PENDING) : "memory");
+}
+
+// ---- fast fp32 math with bounded error (the state math stays fp32) -----------------------------
+__device__ __forceinline__ float exp_f(float x) { return __expf(x); }
+
+__device__ __forceinline__ float log_sigmoid_f(float x) {
+    return fminf(x, 0.f) - __logf(1.f + __expf(-fabsf(x)));
+}
+
+__device__ __forceinline__ float sigmoid_f(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
+
+__device__ __forceinline__ float tanh_f(float x) {
+    // 1 - 2 / (exp(2x) + 1): exact limits at +-inf, absolute error ~1e-7
+    return 1.f - __fdividef(2.f, __expf(2.f * x) + 1.f);
+}
+
+// ---- data-driven exchange: stores into peers' shared memory that count bytes on their mbarrier ----
+// A CTA waits until the bytes a step needs have landed, instead of a whole-cluster barrier.
+__device__ __forceinline__ void mbarrier_init(u64_t* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(shared_address(bar)), "r"(count) : "memory");
+}
+
+// makes the initialised barriers visible to the cluster's other CTAs (before a cluster barrier)
+__device__ __forceinline__ void fence_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// this CTA's one arrival for the phase, announcing the bytes the phase receives
+__device__ __forceinline__ void mbarrier_expect_bytes(u64_t* bar, u32 bytes) {
+    asm volatile("{ .reg .b64 state; mbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1; }"
+                 :: "r"(shared_address(bar)), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_wait(u64_t* bar, u32 parity) {
+    const u32 address = shared_address(bar);
+    u32 done;
+    do {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; "
+                     "selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(address), "r"(parity) : "memory");
+    } while (!done);
+}
+
+// 4 bytes into a peer's shared memory (address from remote_address), counted on its mbarrier
+__device__ __forceinline__ void store_async_u32(u32 address, u32 value, u32 remote_bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+                 :: "r"(address), "r"(value), "r"(remote_bar) : "memory");
+}
+
+// 16 bytes (16-byte aligned on both sides) into a peer's shared memory, counted on its mbarrier
+__device__ __forceinline__ void store_async_v4(u32 address, uint4 value, u32 remote_bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
+                 :: "r"(address), "r"(value.x), "r"(value.y), "r"(value.z), "r"(value.w), "r"(remote_bar)
+                 : "memory");
 }

@@ -23,12 +23,11 @@ library's own code again. The lowering reports each such call as an mlstm replac
 """
 from __future__ import annotations
 
-import importlib.abc
-import sys
-
 import torch
 
 from torch_xaccel import config
+
+from .. import library_hooks
 
 _REGISTERED: set = set()
 
@@ -105,42 +104,10 @@ SUBSTITUTIONS = (
 _MODULES = {mod for mod, _, _ in SUBSTITUTIONS}
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Registers a handler right after its library module is imported, when that happens after
-    torch_xaccel.backend loaded (importing the libraries eagerly would cost seconds)."""
-
-    def find_spec(self, name, path, target=None):
-        if name not in _MODULES:
-            return None
-        for finder in sys.meta_path:
-            if finder is not self and hasattr(finder, "find_spec"):
-                spec = finder.find_spec(name, path, target)
-                if spec is not None and spec.loader is not None:
-                    spec.loader = _Chained(spec.loader)
-                    return spec
-        return None
-
-
-class _Chained(importlib.abc.Loader):
-    def __init__(self, inner):
-        self._inner = inner
-
-    def create_module(self, spec):
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module):
-        self._inner.exec_module(module)
-        _install(module)
-
-
 def register() -> None:
     """Install the handlers of the libraries already imported, and a hook for the others;
     idempotent."""
-    for mod in _MODULES:
-        if mod in sys.modules:
-            _install(sys.modules[mod])
-    if not all(m in sys.modules for m in _MODULES) and not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport())
+    library_hooks.register(_MODULES, _install)
 
 
 def _install(module) -> None:

@@ -77,14 +77,43 @@ def test_strided_input_and_T0():
     assert empty[0].shape == (4, 0, 4, 192) and (empty[2] == 0).all()
 
 
-def test_backward_on_gpu_matches_reference_grads():
-    Wx, R, b, states = _inputs(3, 12, 4, 64, torch.bfloat16, state=True, seed=4)
-    leaves = [t.detach().clone().requires_grad_() for t in (Wx, R, b, *states)]
-    y = torch.ops.xaccel.slstm(*leaves, "element", True, False)[0]
-    gy = torch.randn_like(y)
-    grads = torch.autograd.grad(y, leaves, gy)
-    ref_leaves = [t.detach().float().clone().requires_grad_() for t in (Wx, R, b, *states)]
-    y_ref = reference.forward(*ref_leaves, "element", True, False)[0]
-    ref = torch.autograd.grad(y_ref, ref_leaves, gy.float())
-    for g, r in zip(grads, ref):
-        assert _rel(g, r) < 5e-2
+def _grads(fn, inputs, out_grads):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    outs = fn(*leaves)
+    pairs = [(o, g) for o, g in zip(outs, out_grads) if g is not None]
+    return torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs])
+
+
+@pytest.mark.parametrize("NH,D", [(4, 192), (4, 256), (8, 128), (12, 64)])
+@pytest.mark.parametrize("variant", [("batch", True, False), ("element", False, True)])
+@pytest.mark.parametrize("saving", [False, True])
+def test_backward_kernel_matches_reference(NH, D, variant, saving):
+    """Gradients of every input (Wx, R, b and the initial states) from a loss on y and on all four
+    final states, against autograd through the fp32 reference: relative error <= 5e-2."""
+    B, T = 5, 23
+    Wx, R, b, states = _inputs(B, T, NH, D, torch.bfloat16, state=True, seed=4)
+    if variant[2]:  # n clamped at 1 keeps n >= 1 after any step: an n0 below 1 would put the clamp's
+        states[2] = states[2] + 0.5  # kink where 16-bit rounding decides which side a value falls
+    op = torch.ops.xaccel.slstm_saving if saving else torch.ops.xaccel.slstm
+    g = torch.Generator(device="cuda").manual_seed(9)
+    out_grads = [torch.randn(B, T, NH, D, device="cuda", generator=g).bfloat16()] + \
+        [torch.randn(B, NH, D, device="cuda", generator=g) * .1 for _ in range(4)]
+    events = len(runtime.EVENTS)
+    got = _grads(lambda *t: op(*t, *variant)[:5], (Wx, R, b, *states), out_grads)
+    assert len(runtime.EVENTS) == events, runtime.EVENTS[-1]
+    want = _grads(lambda *t: reference.forward(*t, *variant), (Wx.float(), R.float(), b, *states),
+                  [o.float() for o in out_grads])
+    names = ["dWx", "dR", "db", "dh0", "dc0", "dn0", "dm0"]
+    for name, a, w in zip(names, got, want):
+        assert _rel(a, w) < 5e-2, (name, _rel(a, w))
+
+
+def test_backward_without_state_and_y_only():
+    Wx, R, b, _ = _inputs(16, 64, 4, 192, torch.bfloat16, seed=6)
+    gy = torch.randn(16, 64, 4, 192, device="cuda").bfloat16()
+    got = _grads(lambda *t: torch.ops.xaccel.slstm(*t, None, None, None, None, "batch", True, False)[:1],
+                 (Wx, R, b), [gy])
+    want = _grads(lambda *t: reference.forward(*t, None, None, None, None, "batch", True, False)[:1],
+                  (Wx.float(), R.float(), b), [gy.float()])
+    for a, w in zip(got, want):
+        assert _rel(a, w) < 5e-2

@@ -1,6 +1,7 @@
 """Registration of the sLSTM ops (schemas, fakes, autograd); their semantics are reference.py's.
 
-xaccel::slstm (a sequence), xaccel::slstm_backward (its backward as one opaque op, so that a
+xaccel::slstm (a sequence), xaccel::slstm_saving (the same op also returning what its backward
+kernels read, for training graphs), xaccel::slstm_backward (its backward as one opaque op, so that a
 traced backward graph holds one node whose kernel is picked at run time) and xaccel::slstm_step
 (one step, for decoding).
 """
@@ -15,6 +16,7 @@ from . import reference, reference_backward
 from .reference import compute_dtype
 
 OP_NAME = "slstm"
+SAVING_OP_NAME = "slstm_saving"
 BACKWARD_OP_NAME = "slstm_backward"
 STEP_OP_NAME = "slstm_step"
 
@@ -60,46 +62,86 @@ def _fake(Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n):
     return (Wx.new_empty(B, T, NH, D), *final)
 
 
+def kept_shapes(Wx) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """What xaccel::slstm_saving keeps for the backward kernels: every step's pre-activations
+    [B, T, 4, NH, D] and state after the step (c, n, m) [3, B, T, NH, D], in the compute dtype."""
+    B, T, _, NH, D = Wx.shape
+    cd = compute_dtype(Wx)
+    return [((B, T, 4, NH, D), cd), ((3, B, T, NH, D), cd)]
+
+
+def _reference_saving(Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n):
+    out = reference.forward(Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n)
+    raw, cnm = reference_backward.kept_states(Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n)
+    return (*out, raw, cnm)
+
+
+@torch.library.custom_op("xaccel::slstm_saving", mutates_args=())
+def slstm_saving(Wx: Tensor, R: Tensor, b: Tensor, h0: Tensor | None, c0: Tensor | None, n0: Tensor | None,
+                 m0: Tensor | None, fresh: str, clamp_gates: bool, clamp_n: bool
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """xaccel::slstm plus what its backward kernels read (kept_shapes): the op a training graph
+    runs, so that the backward does not run the forward again."""
+    reference.check(Wx, R, b, fresh)
+    _check_state(Wx, (h0, c0, n0, m0))
+    outs = runtime.dispatch(SAVING_OP_NAME, case_key, _reference_saving, Wx, R, b, h0, c0, n0, m0, fresh,
+                            clamp_gates, clamp_n)
+    return tuple(o.contiguous() for o in outs)
+
+
+@slstm_saving.register_fake
+def _fake_saving(Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n):
+    kept = tuple(Wx.new_empty(shape, dtype=dtype) for shape, dtype in kept_shapes(Wx))
+    return _fake(Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n) + kept
+
+
 def _setup_context(ctx, inputs, output):
     Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n = inputs
     ctx.has_state = h0 is not None
     ctx.variant = (fresh, clamp_gates, clamp_n)
-    ctx.save_for_backward(Wx, R, b, output[0], *((h0, c0, n0, m0) if ctx.has_state else ()))
+    kept = tuple(output[5:7]) if len(output) > 5 else ()
+    if kept:
+        ctx.mark_non_differentiable(*kept)
+    ctx.n_kept = len(kept)
+    ctx.save_for_backward(Wx, R, b, output[0], *kept, *((h0, c0, n0, m0) if ctx.has_state else ()))
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, gy, ghT, gcT, gnT, gmT):
-    Wx, R, b, y, *state = ctx.saved_tensors
+def _backward(ctx, gy, ghT, gcT, gnT, gmT, *_kept_grads):
+    Wx, R, b, y, *rest = ctx.saved_tensors
+    kept, state = rest[:ctx.n_kept], rest[ctx.n_kept:]
     state = state if ctx.has_state else [None] * 4
-    grads = torch.ops.xaccel.slstm_backward(gy, ghT, gcT, gnT, gmT, Wx, R, b, *state, *ctx.variant, y)
+    grads = torch.ops.xaccel.slstm_backward(gy, ghT, gcT, gnT, gmT, Wx, R, b, *state, *ctx.variant, y, kept)
     return (*grads, *([None] * (7 - len(grads))), None, None, None)
 
 
 slstm.register_autograd(_backward, setup_context=_setup_context)
+slstm_saving.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _backward_reference(gy, ghT, gcT, gnT, gmT, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n, y):
+def _backward_reference(gy, ghT, gcT, gnT, gmT, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n, y, kept):
     return reference_backward.backward(gy, ghT, gcT, gnT, gmT, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n)
 
 
-def _backward_key(gy, ghT, gcT, gnT, gmT, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n, y) -> tuple:
-    return case_key(Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n)
+def _backward_key(gy, ghT, gcT, gnT, gmT, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n, y, kept) -> tuple:
+    return case_key(Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n) + (bool(kept),)
 
 
 @torch.library.custom_op("xaccel::slstm_backward", mutates_args=())
 def slstm_backward(gy: Tensor | None, ghT: Tensor | None, gcT: Tensor | None, gnT: Tensor | None,
                    gmT: Tensor | None, Wx: Tensor, R: Tensor, b: Tensor, h0: Tensor | None, c0: Tensor | None,
                    n0: Tensor | None, m0: Tensor | None, fresh: str, clamp_gates: bool, clamp_n: bool,
-                   y: Tensor) -> list[Tensor]:
+                   y: Tensor, kept: list[Tensor]) -> list[Tensor]:
     """[dWx, dR, db] (+ [dh0, dc0, dn0, dm0] with an initial state), each contiguous in its
-    input's shape. y: the forward's output (the kernels read it instead of recomputing h)."""
+    input's shape. y: the forward's output (the kernels read h_{t-1} from it); kept: [] or
+    xaccel::slstm_saving's kept states (else the kernels run the forward again to get them)."""
     grads = runtime.dispatch(BACKWARD_OP_NAME, _backward_key, _backward_reference, gy, ghT, gcT, gnT, gmT, Wx, R, b,
-                             h0, c0, n0, m0, fresh, clamp_gates, clamp_n, y)
+                             h0, c0, n0, m0, fresh, clamp_gates, clamp_n, y, kept)
     return [g.contiguous() for g in grads]
 
 
 @slstm_backward.register_fake
-def _backward_fake(gy, ghT, gcT, gnT, gmT, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n, y):
+def _backward_fake(gy, ghT, gcT, gnT, gmT, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n, y, kept):
     return [t.new_empty(t.shape) for t in (Wx, R, b, *((h0, c0, n0, m0) if h0 is not None else ()))]
 
 

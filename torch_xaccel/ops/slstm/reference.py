@@ -8,7 +8,7 @@ maps input unit k to gate g of unit j; b[g, h, j]):
     m'        = i                   where the state is fresh (see below)
               = max(i, logfm)       elsewhere
     i', f'    = exp(i - m'), exp(logfm - m')     (min(., 1) each with clamp_gates)
-    c'        = f' c + i' tanh(z);   n' = f' n + i'       (n' = max(n', 1) with clamp_n)
+    c'        = f' c + i' tanh(z);   n' = f' n + i'       (n' = maximum(n', 1) with clamp_n)
     h'        = sigmoid(o) c' / n'
 
 The libraries in the wild differ in three places, and the op takes them as arguments:
@@ -17,7 +17,8 @@ The libraries in the wild differ in three places, and the op takes them as argum
   From a zero start both give m' = i at the first step; they differ for an initial state whose n
   is zero in some rows only.
 - clamp_gates: min(exp(.), 1) on both exponential gates (the xlstm package).
-- clamp_n: n' clamped at 1 from below (FlashRNN).
+- clamp_n: n' clamped at 1 from below (FlashRNN), as torch.maximum(n', 1): where n' is exactly 1
+  (every fresh step from n = 0) the gradient splits in half, as in FlashRNN's own code.
 
 h_{t-1} enters the recurrent product rounded to the input dtype (the output's dtype), as the
 libraries store it; the state math (c, n, m, the gates) runs in fp32 (float64 stays float64).
@@ -79,7 +80,7 @@ def step(Wx_t: Tensor, R: Tensor, b: Tensor, h: Tensor, c: Tensor, n: Tensor, m:
     c_new = f_gate * c + i_gate * torch.tanh(z)
     n_new = f_gate * n + i_gate
     if clamp_n:
-        n_new = torch.clamp(n_new, min=1.0)
+        n_new = torch.maximum(n_new, torch.ones_like(n_new))
     h_new = torch.sigmoid(o) * c_new / n_new
     return h_new, c_new, n_new, m_new
 

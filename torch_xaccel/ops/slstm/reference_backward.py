@@ -4,7 +4,7 @@ spec the backward kernels implement.
 It runs the forward again keeping each step's intermediates, then walks back in time. It follows
 autograd's rules for the reference's expressions exactly, including their ties: torch.minimum
 and torch.maximum give half the gradient to each side where both are equal (min(exp(0), 1) at
-every fresh step), and clamp(min=1) passes the gradient where n' >= 1.
+every fresh step), and torch.maximum(n', 1) where n' is exactly 1.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import reference
 from .reference import check, compute_dtype, zero_state
 
 
@@ -36,11 +37,31 @@ def _forward_keeping(Wx, R, b, h, c, n, m, fresh, clamp_gates, clamp_n):
         tz, so = torch.tanh(z), torch.sigmoid(o)
         c_new = fg * c + ig * tz
         n_raw = fg * n + ig
-        n_new = torch.clamp(n_raw, min=1.0) if clamp_n else n_raw
+        n_new = torch.maximum(n_raw, torch.ones_like(n_raw)) if clamp_n else n_raw
         h_new = so * c_new / n_new
         steps.append((h_in, i, f, logfm, is_fresh, m_new, ei, ef, ig, fg, tz, so, c, n, c_new, n_raw, n_new))
         h, c, n, m = h_new, c_new, n_new, m_new
     return steps
+
+
+def kept_states(Wx: Tensor, R: Tensor, b: Tensor, h0, c0, n0, m0, fresh: str = "element",
+                clamp_gates: bool = False, clamp_n: bool = False) -> tuple[Tensor, Tensor]:
+    """What xaccel::slstm_saving keeps (op.kept_shapes): every step's pre-activations
+    [B, T, 4, NH, D] and state after the step [3, B, T, NH, D] (c, n, m)."""
+    check(Wx, R, b, fresh)
+    cd = compute_dtype(Wx)
+    h, c, n, m = zero_state(Wx) if h0 is None else (s.to(cd) for s in (h0, c0, n0, m0))
+    raws, states = [], []
+    Rc, bc = R.to(cd), b.to(cd)
+    for t in range(Wx.shape[1]):
+        h_in = h.to(Wx.dtype).to(cd)
+        raws.append(Wx[:, t].to(cd) + torch.einsum("bhk,hgjk->bghj", h_in, Rc) + bc)
+        h, c, n, m = reference.step(Wx[:, t], R, b, h, c, n, m, fresh, clamp_gates, clamp_n)
+        states.append(torch.stack((c, n, m)))
+    B, T, _, NH, D = Wx.shape
+    if not raws:
+        return Wx.new_empty(B, 0, 4, NH, D, dtype=cd), Wx.new_empty(3, B, 0, NH, D, dtype=cd)
+    return torch.stack(raws, 1), torch.stack(states, 2)
 
 
 def backward(gy, ghT, gcT, gnT, gmT, Wx: Tensor, R: Tensor, b: Tensor, h0, c0, n0, m0, fresh: str = "element",
@@ -66,7 +87,7 @@ def backward(gy, ghT, gcT, gnT, gmT, Wx: Tensor, R: Tensor, b: Tensor, h0, c0, n
         gn_new = gn - gh * (so * c_new) / (n_new * n_new)
         gso = gp * c_new
         gc_new = gc + gp * so
-        gn_raw = gn_new * (n_raw >= 1.0).to(cd) if clamp_n else gn_new
+        gn_raw = gn_new * _share(n_raw, torch.ones_like(n_raw)) if clamp_n else gn_new
         gfg = gn_raw * n + gc_new * c
         gig = gn_raw + gc_new * tz
         gc, gn = gc_new * fg, gn_raw * fg

@@ -1,0 +1,489 @@
+"""Hand-written sLSTM loops that Dynamo unrolled, collapsed into one xaccel::slstm.
+
+A Python loop over time steps reaches the graph as T copies of the step (tens of ATen nodes
+each; Dynamo's trace, and this pass, grow with T: the report notes the count). `find_chains`
+finds the steps (cell.find_core around each logsigmoid), chains them (step k+1's old c, n, m are
+step k's new ones; its gates are linear in step k's h) and checks that the copies are the same
+computation node for node, differing only in time indices (select, slice, narrow or tuple index
+advancing by one per step). Each read of the step is then one of:
+- shared: the same tensor in every step (R, b, Wx when sliced inside the step, initial states);
+- per step: a different tensor in every step (Wx[:, t] + b computed in the loop, a projection).
+The first step's old states are the loop's initial states (zeros built in the graph: none).
+
+`collapse` measures the first step's layouts (cell.measure), measures how each additive input
+moves with time (probes of steps 1, 2, T/2 and T: a shared tensor must advance by one stride per
+step), proves those steps against every variant (cell.prove; the copies differ only in time
+indices, which move a read affinely, so these steps stand for all), and rewrites: one xaccel.slstm
+whose Wx is a view of the shared tensor (or a stack of the per-step ones) and whose outputs are
+viewed back to the user's layout: every h_t the graph reads, a torch.stack of all of them, and
+the final c, n, m. Per-step inputs computed inside the loop move ahead of it. A loop of one step
+is no chain (step.py takes it); steps whose inputs depend on earlier outputs (decoding) are not
+a sequence either: step.py replaces them one by one.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.fx import Node
+
+from torch_xaccel.report import Fallback, Replacement
+
+from ..graph_utils import location, mutated_nodes
+from . import cell as C
+from .cell import NoMatch, Refused, is_op, val
+
+FAMILY = "slstm"
+aten = torch.ops.aten
+# where a time index may appear: (op, position among its flattened arguments)
+_TIME_ARGS = {aten.select.int: (2,), aten.slice.Tensor: (2, 3), aten.narrow.default: (2,), operator.getitem: (1,)}
+LONG_LOOP = 64  # from this many steps on the report suggests avoiding the unrolled trace
+
+
+@dataclass
+class Chain:
+    cells: list
+    shared: list  # per root slot: the same tensor in every step
+    why_not: str | None = None  # why it is not a sequence (decoding), or None
+
+
+def find_chains(graph: torch.fx.Graph) -> list:
+    """Chains of >= 2 aligned steps, in graph order."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    cores = []
+    for L in graph.find_nodes(op="call_function", target=aten.log_sigmoid.default):
+        try:
+            cores.append(C.find_core(L))
+        except NoMatch:
+            pass
+    chains = []
+    for seq in _sequences(cores):
+        for run in _aligned_runs(seq, order):
+            if len(run) >= 2:
+                chains.append(_classify(run, order))
+    return chains
+
+
+def claimed(graph: torch.fx.Graph) -> set:
+    """The logsigmoid nodes of steps that belong to a sequence this pass collapses."""
+    return {c.core.L for ch in find_chains(graph) if ch.why_not is None for c in ch.cells}
+
+
+def _sequences(cores) -> list:
+    """Cores linked new state -> old state, as maximal sequences."""
+    by_c = {}
+    for k in cores:
+        by_c.setdefault(k.new["c"], []).append(k)
+    succ, has_pred = {}, set()
+    for k in cores:
+        preds = [p for p in by_c.get(k.old["c"], ()) if k.old["n"] is p.new["n"] and k.old["m"] is p.new["m"]]
+        if len(preds) == 1:
+            succ.setdefault(preds[0], []).append(k)
+    succ = {p: ks[0] for p, ks in succ.items() if len(ks) == 1}
+    has_pred = set(succ.values())
+    out = []
+    for k in cores:
+        if k in has_pred:
+            continue
+        seq = [k]
+        while seq[-1] in succ:
+            seq.append(succ[seq[-1]])
+        out.append(seq)
+    return out
+
+
+def _aligned_runs(seq, order) -> list:
+    """The sequence's cells split where consecutive steps are not the same computation."""
+    cells = []
+    for k in range(1, len(seq)):
+        try:
+            cells.append(C.build_cell(seq[k], seq[k - 1].new["h"], order))
+        except NoMatch:
+            cells.append(None)
+    first = None
+    if cells and cells[0] is not None:
+        for h in C.h_candidates(seq[0], order):
+            try:
+                c0 = C.build_cell(seq[0], h, order)
+            except NoMatch:
+                continue
+            if _align(c0, cells[0]) is not None:
+                first = c0
+                break
+    runs, cur, keys = [], [], None
+    for c in [first, *cells]:
+        if c is None:
+            runs.append(cur)
+            cur, keys = [], None
+            continue
+        if cur:
+            d = _align(cur[-1], c)
+            if d is None or any(v != 1 for v in d.values()) or (keys is not None and set(d) != keys):
+                runs.append(cur)
+                cur, keys = [c], None
+                continue
+            keys = set(d)
+        cur.append(c)
+    runs.append(cur)
+    return runs
+
+
+def _align(a: C.Cell, b: C.Cell) -> dict | None:
+    """{(node index, argument position): b's int - a's int} where the two steps differ only in
+    time indices; None where they differ otherwise."""
+    if len(a.region) != len(b.region) or len(a.inputs) != len(b.inputs):
+        return None
+    ia = {n: k for k, n in enumerate(a.region)}
+    ib = {n: k for k, n in enumerate(b.region)}
+    slots_a = {}
+    for j, x in enumerate(a.inputs):
+        slots_a.setdefault(x, set()).add(j)
+    slots_b = {}
+    for j, x in enumerate(b.inputs):
+        slots_b.setdefault(x, set()).add(j)
+    diffs = {}
+    for k, (x, y) in enumerate(zip(a.region, b.region)):
+        if x.op != y.op or x.target != y.target or C.static_shape(x) != C.static_shape(y):
+            return None
+        fa, sa = pytree.tree_flatten((x.args, x.kwargs))
+        fb, sb = pytree.tree_flatten((y.args, y.kwargs))
+        if sa != sb:
+            return None
+        for p, (u, v) in enumerate(zip(fa, fb)):
+            if isinstance(v, Node) or isinstance(u, Node):
+                if not (isinstance(u, Node) and isinstance(v, Node)):
+                    return None
+                if v in ib:
+                    ok = ia.get(u) == ib[v]
+                else:
+                    ok = u is v or bool(slots_a.get(u, set()) & slots_b.get(v, set()))
+                if not ok:
+                    return None
+            elif u != v:
+                if not (type(u) is int and type(v) is int and p in _TIME_ARGS.get(x.target, ())):
+                    return None
+                diffs[(k, p)] = v - u
+    return diffs
+
+
+def _classify(cells, order) -> Chain:
+    """Shared and per-step roots; why the chain is not a sequence, if it is not: inputs that
+    depend on earlier outputs (decoding), or R recomputed differently at each step."""
+    slots = len(cells[0].roots)
+    shared = [all(c.roots[j] is cells[0].roots[j] for c in cells) for j in range(slots)]
+    chain = Chain(cells, shared)
+    inside = {n for c in cells for n in c.region}
+    lo = order[cells[0].region[0]]
+    per_step = [c.roots[j] for c in cells for j in range(slots) if not shared[j]]
+    if _reaches(per_step, inside, lo, order):
+        chain.why_not = "each step's input depends on an earlier step's output (decoding): left to slstm_step"
+    return chain
+
+
+def _reaches(nodes, targets: set, lo: int, order) -> bool:
+    """Whether any of `nodes` depends on a node in `targets` (looking back to graph position lo)."""
+    seen, todo = set(), list(nodes)
+    while todo:
+        x = todo.pop()
+        if x in seen or order[x] < lo:
+            continue
+        if x in targets:
+            return True
+        seen.add(x)
+        todo.extend(x.all_input_nodes)
+    return False
+
+
+# ---- the rewrite ------------------------------------------------------------------------------------
+
+def collapse(gm: torch.fx.GraphModule, ctx) -> None:
+    graph = gm.graph
+    if not C.looks_like_slstm(graph):
+        return
+    C.fold_same_dtype_casts(graph)
+    tried = set()
+    while True:  # one chain at a time: a rewrite changes the nodes a later chain reads
+        todo = [ch for ch in find_chains(graph) if ch.cells[0].core.L not in tried]
+        if not todo:
+            return
+        chain = todo[0]
+        tried.add(chain.cells[0].core.L)
+        where = location(chain.cells[0].core.L)
+        if chain.why_not:
+            continue
+        try:
+            _collapse(gm, ctx, chain, where)
+        except Refused as e:
+            ctx.report.fallbacks.append(Fallback(FAMILY, f"sLSTM-shaped loop at {where}: {e}", where))
+
+
+@dataclass
+class _Inputs:
+    roots: list  # the op's root tensors (nodes): shared ones, then each step's own
+    slot: dict  # (step, root slot) -> index in roots
+    Wx: C.Plan  # [B, T, 4, NH, D]
+    R: C.Plan  # [NH, 4, D, D]
+    b: C.Plan  # [4, NH, D]
+
+
+def _check(graph, chain, training: bool) -> None:
+    """Refuse what the op cannot take: dynamic sizes, dtypes, values read or written elsewhere,
+    gradients the op splits otherwise."""
+    cells = chain.cells
+    tie = C.tie_refusal(cells[0].core, cells[0].core.old["n"], training)
+    if tie:
+        raise Refused(tie)
+    T = len(cells)
+    tensors = [n for c in cells for n in (*c.region, *c.inputs) if isinstance(val(n), torch.Tensor)]
+    if any(c.shape is None for c in cells) or any(C.static_shape(n) is None for n in tensors):
+        raise Refused("dynamic shapes (the layouts are measured at one size; compile with dynamic=False "
+                      "or mark the sizes static)")
+    dtype = val(cells[0].core.new["h"]).dtype
+    floats = [n for c in cells for n in (*c.core.new.values(), *c.roots)]
+    if dtype not in (torch.float32, torch.float64) or any(val(n).dtype != dtype for n in floats):
+        raise Refused(f"the step computes in {dtype} or mixes dtypes (the op's state math is fp32 or fp64)")
+    for k, c in enumerate(cells):
+        nxt = set(cells[k + 1].region) if k + 1 < T else set()
+        esc = C.escapes(c, nxt)
+        if esc:
+            raise Refused(f"step {k + 1}'s intermediate {esc[0].name} is read outside the step")
+        if k + 1 < T:
+            for r in "cnm":
+                if any(u not in nxt and u not in set(c.region) for u in c.core.new[r].users):
+                    raise Refused(f"the loop reads {r} after step {k + 1}; xaccel.slstm returns the last state only")
+    written = mutated_nodes(graph)
+    if any(n in written for c in cells for n in (*c.region, *c.inputs)):
+        raise Refused("a value of the loop is written in place")
+
+
+def _time_tables(chain, layout, probed) -> dict:
+    """Additive tables of the probed steps: {step: {slot: (rid, idx)}}."""
+    return {k: C.additive_tables(chain.cells[k], layout) for k in probed}
+
+
+def _inputs(chain, layout, tables, probed) -> _Inputs:
+    """Plans for the op's Wx, R, b over the chain's roots."""
+    roots, slot = _root_slots(chain, layout)
+    Wx, b = _additive_plans(chain, layout, tables, probed, roots, slot)
+    return _Inputs(roots, slot, Wx, C.rebind(layout.R, lambda j: slot[(0, j)]), b)
+
+
+def _root_slots(chain, layout) -> tuple:
+    """(the op's root tensors, (step, slot) -> index): shared roots once, per-step ones for every
+    step; a recurrent weight computed in each step counts once, if each step computes it alike."""
+    cells, T, shared = chain.cells, len(chain.cells), chain.shared
+    roots, slot = [], {}
+    for j in range(len(shared)):
+        if shared[j]:
+            slot.update({(k, j): len(roots) for k in range(T)})
+            roots.append(cells[0].roots[j])
+        elif j in layout.recurrent:
+            first = cells[0].roots[j]
+            if any(c.roots[j].target != first.target or c.roots[j].args != first.args for c in cells):
+                raise Refused("R is computed anew at each step")
+            slot.update({(k, j): len(roots) for k in range(T)})
+            roots.append(first)
+        else:
+            for k, c in enumerate(cells):
+                slot[(k, j)] = len(roots)
+                roots.append(c.roots[j])
+    return roots, slot
+
+
+def _additive_plans(chain, layout, tables, probed, roots, slot) -> tuple:
+    """(Wx [B, T, 4, NH, D], b [4, NH, D]): a shared input that moves with time is one view over
+    time (its stride per step measured); one that does not and is the same for every batch row is
+    the bias; per-step inputs are stacked over time."""
+    cells, T, shared = chain.cells, len(chain.cells), chain.shared
+    shapes = {g: C.static_shape(r) for g, r in enumerate(roots)}
+    moving, biases, parts, stride = [], [], [], {}
+    for j, (rid0, idx0) in tables[0].items():
+        if not shared[j]:
+            if any(not torch.equal(tables[k][j][1], idx0) for k in probed):
+                raise Refused("a per-step input enters the gates differently at different steps")
+            p = C.plan_of([(torch.where(rid0 >= 0, 0, -1), idx0)], {0: C.static_shape(cells[0].roots[j])}, [1, 2])
+            if p is None:
+                raise Refused("a per-step input's layout is not a view")
+            parts.append(C.Stack(1, [C.rebind(p, lambda _, k=k: slot[(k, j)]) for k in range(T)]))
+            continue
+        g = slot[(0, j)]
+        stride[g] = _time_stride(tables, j, probed)
+        table = (torch.where(rid0 >= 0, g, -1), idx0)
+        if stride[g] == 0 and C.batch_invariant(table):
+            biases.append((table[0][0], table[1][0]))
+        else:
+            moving.append(table)
+    if moving:
+        p = C.plan_of(moving, shapes, [1, 2])
+        if p is None:
+            raise Refused("Wx's layout is not a view of the input")
+        parts.insert(0, C.timed(p, 1, T, stride))
+    if not parts:
+        raise Refused("no input term Wx_t in the gates")
+    state = layout.state
+    b = C.plan_of(biases, shapes, [0, 1]) if biases else C.Zeros((4, state.NH, state.D))
+    if b is None:
+        raise Refused("the bias's layout is not a view")
+    return (parts[0] if len(parts) == 1 else C.Sum(parts)), b
+
+
+def _time_stride(tables, j, probed) -> int:
+    """How far shared root j's entries move per step (0: not at all): steps 1 and 2 give it; it
+    must be one constant, forward, and hold at every probed step."""
+    rid0, idx0 = tables[0][j]
+    used = rid0 >= 0
+    moves = (tables[1][j][1] - idx0)[used]
+    sigma = int(moves[0]) if moves.numel() else 0
+    if not bool((moves == sigma).all()) or sigma < 0:
+        raise Refused("an input is not read at one position per step, advancing with the step")
+    for k in probed:
+        rid, idx = tables[k][j]
+        if not torch.equal(rid, rid0) or not torch.equal(idx[used], idx0[used] + k * sigma):
+            raise Refused(f"step {k + 1} reads its input elsewhere than its time index implies")
+    return sigma
+
+
+def _prove(chain, layout, ins: _Inputs, probed) -> tuple:
+    """The variant every probed step agrees with, or Refused naming the step that does not."""
+    agree, evidence = list(C.VARIANTS), False
+    dtype = val(chain.cells[0].core.new["h"]).dtype
+    rec = {ins.slot[(0, j)] for j in layout.recurrent}
+    for k in probed:
+        c = chain.cells[k]
+        olds = c.inputs[:4]
+        distinct = len({id(x) for x in olds}) == 4
+        if not distinct and not all(C.is_zeros(x) for x in olds):
+            raise Refused(f"step {k + 1}'s states are one tensor")
+        fn = C.extract(c.region, c.inputs, [c.core.new[r] for r in "hcnm"])
+
+        def make_inputs(gen, k=k, c=c):
+            vals = [torch.randn(C.static_shape(r), generator=gen, dtype=dtype) for r in ins.roots]
+            vals = [v / layout.state.D ** 0.5 if g in rec else v for g, v in enumerate(vals)]
+            mine = [vals[ins.slot[(k, j)]] for j in range(len(c.roots))]
+            consts = [torch.randn(C.static_shape(x) or (), generator=gen).to(val(x).dtype) for x in c.consts]
+            like = vals[0]
+            return [*mine, *consts], ins.Wx.run(vals, like)[:, k], ins.R.run(vals, like), ins.b.run(vals, like)
+
+        proof = C.prove(fn, layout.state, dtype, make_inputs, zero_states=not distinct)
+        if not proof.agree:
+            raise Refused(f"step {k + 1} differs from every sLSTM variant (max rel err {proof.err:.1e})")
+        if not [v for v in agree if v in proof.agree]:
+            raise Refused(f"step {k + 1} agrees with {C.describe(proof.agree[0])}, the steps before with "
+                          f"{C.describe(agree[0])}")
+        agree = [v for v in agree if v in proof.agree]
+        evidence = evidence or distinct
+    variant = C.choose(agree, math.prod(layout.state.op_shape), evidence)
+    if variant is None:
+        raise Refused(f"the proof cannot tell {C.describe(agree[0])} from {C.describe(agree[1])} at this size")
+    return variant
+
+
+def _accept_no_rule(chain, variant) -> tuple:
+    """Code without a fresh rule (cell.py's docstring): the op's element rule where only h is read."""
+    if variant[0] != C.NO_RULE:
+        return variant, ""
+    if variant[2]:
+        raise Refused("no fresh rule and n clamped at 1: the clamp acts on a stabilizer that starts at "
+                      "max(i, logsigmoid(f) + m0) instead of i, which no variant of xaccel.slstm computes")
+    last = chain.cells[-1]
+    if any(u not in set(last.region) for r in "cnm" for u in last.core.new[r].users):
+        raise Refused("no fresh rule: its h equals xaccel.slstm's, but its c, n, m carry another stabilizer "
+                      "(the same state scaled by exp(m)) and the graph reads them")
+    return ("element", False, False), " (code without a fresh rule: the same h; its c, n, m are not read)"
+
+
+def _collapse(gm, ctx, chain: Chain, where: str) -> None:
+    graph = gm.graph
+    cells = chain.cells
+    T = len(cells)
+    _check(graph, chain, ctx.training)
+    probed = sorted({0, 1, T // 2, T - 1})
+    with C.running("the loop's steps"):
+        layout = C.measure(cells[0])
+        ins = _inputs(chain, layout, _time_tables(chain, layout, probed), probed)
+        variant, note = _accept_no_rule(chain, _prove(chain, layout, ins, probed))
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min((n for n in cells[0].region), key=order.__getitem__)
+    last = max((n for n in cells[-1].region), key=order.__getitem__)
+    span = order[last] - order[first] + 1
+    olds = cells[0].inputs[:4]
+    anchor = _hoist(graph, [*ins.roots, *olds], first, order, {n for c in cells for n in c.region})
+    _emit(graph, chain, layout, ins, variant, olds, anchor)
+    C.erase_dead(graph, [n for c in cells for n in c.region] + list(olds))
+    trace = f"the unrolled loop had {span} ATen nodes ({span // T} per step); Dynamo's trace grows with T"
+    if T >= LONG_LOOP:
+        trace += (": for long sequences call a library sLSTM that traces as one call (FlashRNN, xlstm) or "
+                  "torch.ops.xaccel.slstm, or trace with a short T")
+    ctx.report.replacements.append(Replacement(
+        FAMILY, "xaccel.slstm", f"unrolled sLSTM loop, {T} steps, variant {C.describe(variant)}{note}", where,
+        note=trace))
+
+
+def _hoist(graph, inputs, anchor, order, inside: set) -> Node:
+    """Move the op's inputs computed inside the loop (a per-step Wx_t + b) and what they need
+    from there to before the loop's first node; returns where the op goes."""
+    need, todo = set(), [n for n in inputs if order[n] > order[anchor]]
+    while todo:
+        x = todo.pop()
+        if x in need or order[x] <= order[anchor]:
+            continue
+        need.add(x)
+        todo.extend(x.all_input_nodes)
+    if any(x in inside or x.op != "call_function" or x.is_impure() for x in need):
+        raise Refused("the loop's inputs are computed together with its outputs")
+    written = mutated_nodes(graph) if need else set()
+    if any(x in written or any(a in written for a in x.all_input_nodes) for x in need):
+        raise Refused("the loop's inputs read values written in place")
+    for x in sorted(need, key=order.__getitem__):
+        anchor.prepend(x)
+    return anchor
+
+
+def _stacks(cells) -> list:
+    """torch.stack nodes of every step's h, in step order."""
+    hs = [c.core.new["h"] for c in cells]
+    return [u for u in hs[0].users if is_op(u, aten.stack.default) and list(u.args[0]) == hs]
+
+
+def _emit(graph, chain, layout, ins: _Inputs, variant, olds, anchor) -> None:
+    cells = chain.cells
+    T = len(cells)
+    state = layout.state
+    em = C.Emitter(graph, cells[0].core.L)
+    with graph.inserting_before(anchor):
+        like = ins.roots[0]
+        Wx = ins.Wx.emit(em, ins.roots, like)
+        R, b = ins.R.emit(em, ins.roots, like), ins.b.emit(em, ins.roots, like)
+        init = [None] * 4 if all(C.is_zeros(x) for x in olds) else [state.emit(em, x, True) for x in olds]
+        op = em(torch.ops.xaccel.slstm.default, Wx, R, b, *init, *variant)
+        y = em(operator.getitem, op, 0)
+        for s in _stacks(cells):
+            s.replace_all_uses_with(_stacked(em, state, y, T, s.args[1] if len(s.args) > 1 else 0))
+            graph.erase_node(s)
+        for k, c in enumerate(cells):
+            h = c.core.new["h"]
+            nxt = set(cells[k + 1].region) if k + 1 < T else set()
+            outside = {u for u in h.users if u not in nxt and u not in set(c.region)}
+            if outside:
+                h.replace_all_uses_with(state.emit(em, em(aten.select.int, y, 1, k), False),
+                                        delete_user_cb=lambda u, o=outside: u in o)
+        last = cells[-1]
+        for j, r in enumerate("cnm"):
+            node = last.core.new[r]
+            outside = {u for u in node.users if u not in set(last.region)}
+            if outside:
+                node.replace_all_uses_with(state.emit(em, em(operator.getitem, op, 2 + j), False),
+                                           delete_user_cb=lambda u, o=outside: u in o)
+
+
+def _stacked(em, state: C.StateMap, y, T: int, dim: int):
+    """torch.stack(every h, dim) in the user's layout, from y [B, T, NH, D]."""
+    dim %= len(state.S) + 1
+    if list(state.S) == list(state.op_shape):
+        return y if dim == 1 else em(aten.movedim.int, y, 1, dim)
+    seq = state.emit(em, em(aten.movedim.int, y, 1, 0), False, lead=[T])
+    return em(aten.movedim.int, seq, 0, dim) if dim else seq
