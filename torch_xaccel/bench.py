@@ -390,6 +390,128 @@ def run_slstm_case(case: Case) -> list:
     return rows
 
 
+def slstm_decode(B, NH=4, D=192):
+    """One sLSTM step (the decode inner loop) at hidden 768, plain and in a CUDA graph."""
+    def make():
+        g = torch.Generator(device="cuda").manual_seed(0)
+        Wx = torch.randn(B, 4, NH, D, device="cuda", generator=g).bfloat16()
+        R = (torch.randn(NH, 4, D, D, device="cuda", generator=g) / D ** 0.5).bfloat16()
+        b = torch.randn(4, NH, D, device="cuda", generator=g)
+        state = [torch.randn(B, NH, D, device="cuda", generator=g) * .5 for _ in range(4)]
+        state[2] = state[2].abs() + 1
+        return Wx, R, b, state
+    # read R once (bf16), read and write the fp32 state
+    return Case(f"sLSTM decode step B{B} NH{NH} D{D}", NH * 4 * D * D * 2 + B * NH * D * 4 * 8, make,
+                runner="slstm_decode")
+
+
+def run_slstm_decode_case(case: Case) -> list:
+    """Rows: xaccel::slstm_step (Triton) plain and in a CUDA graph, the reference step eagerly.
+    'TFLOP/s' is GB/s over the floor (R read once, the state read and written)."""
+    from torch_xaccel.ops.slstm import reference
+
+    Wx, R, b, state = case.make()
+    rows = []
+
+    def add(path, ms, extra=""):
+        rows.append(dict(case=case.name, path=path, ms=ms, tflops=case.flop / ms / 1e9, extra=extra))
+        print(f"  {path:40s} {ms * 1e3:9.1f} us  {case.flop / ms / 1e6:8.0f} GB/s of floor  {extra}", flush=True)
+
+    print(f"\n{case.name}", flush=True)
+    variant = ("batch", True, False)
+    step = lambda: torch.ops.xaccel.slstm_step(Wx, R, b, *state, *variant)  # noqa: E731
+    with torch.no_grad():
+        err = _rel(step()[0], reference.step(Wx, R.float(), b, *state, *variant)[0])
+        add("xaccel step (Triton)", _bench(step, False), f"rel err vs fp32 reference {err:.1e}")
+        add("xaccel step, CUDA graph", _bench(_graphed(step), False))
+        add("eager reference step", _bench(lambda: reference.step(Wx, R, b, *state, *variant), False))
+    base = rows[0]["ms"]
+    for r in rows:
+        r["vs_cublas"], r["vs_xaccel"] = r["ms"] / base, r["ms"] / base
+    return rows
+
+
+def slstm_model(E=768, blocks=8, slstm_at=(7,), B=16, S=1024):
+    """The xlstm package's xLSTMBlockStack with sLSTM blocks (its sLSTM on the vanilla backend,
+    compiled with xaccel, against the same model on the package's CUDA backend), bf16."""
+    mix = "all-sLSTM" if len(slstm_at) == blocks else f"{blocks - len(slstm_at)}:{len(slstm_at)} mLSTM:sLSTM"
+    return Case(f"xLSTMBlockStack {mix}, {blocks} blocks, E{E}, B{B} S{S}", 0,
+                lambda: (E, blocks, tuple(slstm_at), B, S), runner="slstm_model")
+
+
+def _slstm_stack(E, blocks, slstm_at, backend, B, S):
+    from xlstm import (
+        mLSTMBlockConfig,
+        mLSTMLayerConfig,
+        sLSTMBlockConfig,
+        sLSTMLayerConfig,
+        xLSTMBlockStack,
+        xLSTMBlockStackConfig,
+    )
+
+    cfg = xLSTMBlockStackConfig(
+        mlstm_block=mLSTMBlockConfig(mlstm=mLSTMLayerConfig(conv1d_kernel_size=4, qkv_proj_blocksize=4, num_heads=4)),
+        slstm_block=sLSTMBlockConfig(slstm=sLSTMLayerConfig(backend=backend, num_heads=4, conv1d_kernel_size=4,
+                                                            batch_size=B)),
+        context_length=S, num_blocks=blocks, embedding_dim=E, slstm_at=list(slstm_at))
+    torch.manual_seed(0)
+    model = xLSTMBlockStack(cfg)
+    with torch.no_grad():  # the package initialises R to zeros: random recurrent weights exercise the recurrence
+        for name, p in model.named_parameters():
+            if "recurrent" in name:
+                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+    return model.to("cuda", torch.bfloat16)
+
+
+def run_slstm_model_case(case: Case) -> list:
+    """Rows per configuration: prefill (inference mode) and train step (forward + backward of a
+    mean-square loss), with the first call's time (compile, kernel builds and tuning) for the
+    compiled one. Configurations: the vanilla sLSTM compiled with xaccel (default settings), the
+    package's CUDA sLSTM backend uncompiled (its kernels build at construction)."""
+    E, blocks, slstm_at, B, S = case.make()
+    rows = []
+
+    def add(path, ms, extra=""):
+        rows.append(dict(case=case.name, path=path, ms=ms, tflops=0.0, extra=extra))
+        print(f"  {path:52s} {ms:9.3f} ms  {extra}", flush=True)
+
+    print(f"\n{case.name}", flush=True)
+    x = torch.randn(B, S, E, device="cuda", dtype=torch.bfloat16)
+    from torch_xaccel.report import last_report
+
+    for label, backend, compiled in (("xaccel (vanilla sLSTM, compiled)", "vanilla", True),
+                                     ("xlstm CUDA sLSTM backend, uncompiled", "cuda", False)):
+        try:
+            t0 = time.perf_counter()
+            model = _slstm_stack(E, blocks, slstm_at, backend, B, S)
+            built = time.perf_counter() - t0
+            torch._dynamo.reset()
+            fn = torch.compile(model, backend="xaccel") if compiled else model
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                fn(x)
+                torch.cuda.synchronize()
+                first = time.perf_counter() - t0
+                counts = f", replaced {last_report().counts()}" if compiled else f", model built in {built:.0f}s"
+                add(f"{label}, prefill", _bench(lambda fn=fn: fn(x), True), f"first call {first:.1f}s{counts}")
+
+            def train(fn=fn):
+                fn(x).float().square().mean().backward()
+            t0 = time.perf_counter()
+            train()
+            torch.cuda.synchronize()
+            first = time.perf_counter() - t0
+            add(f"{label}, train step", _bench(train, True, list(model.parameters())), f"first call {first:.1f}s")
+            model = fn = train = None  # freed before the next configuration
+            _empty_cache()
+        except Exception as e:  # noqa: BLE001 - a configuration that cannot run is a finding, not a crash
+            print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    base = rows[0]["ms"] if rows else 1.0
+    for r in rows:
+        r["vs_cublas"], r["vs_xaccel"] = r["ms"] / base, r["ms"] / base
+    return rows
+
+
 # the xlstm package's kernel settings: its pure-PyTorch configuration, which xaccel compiles, and
 # its own Triton kernels (the anchor); the benchmarks/ scripts use the same two
 NATIVE_KERNELS = dict(chunkwise_kernel="chunkwise--native_autograd", sequence_kernel="native_sequence__native",
@@ -558,7 +680,10 @@ SUITES = {
                             mlstm_decode(1), mlstm_decode(8)],
     "slstm": lambda quick: [slstm_seq(16, 256 if quick else 1024, 4, 192),
                             slstm_seq(16, 256 if quick else 1024, 1, 768),
-                            slstm_seq(16, 1024, 8, 128), slstm_seq(64, 1024, 4, 192)],
+                            slstm_seq(16, 1024, 8, 128), slstm_seq(64, 1024, 4, 192),
+                            slstm_decode(1), slstm_decode(8),
+                            slstm_model(768, 8, (7,), 16, 256 if quick else 1024),
+                            slstm_model(768, 4, (0, 1, 2, 3), 16, 256 if quick else 1024)],
 }
 
 
@@ -707,7 +832,8 @@ def main(argv=None) -> int:
         if args.only not in case.name:
             continue
         runner = {"mlstm": run_mlstm_case, "model": run_model_case, "decode": run_decode_case,
-                  "slstm": run_slstm_case}.get(case.runner)
+                  "slstm": run_slstm_case, "slstm_decode": run_slstm_decode_case,
+                  "slstm_model": run_slstm_model_case}.get(case.runner)
         rows += runner(case) if runner else run_case(case, not args.no_max_autotune)
         _empty_cache()
     md = markdown(rows, header)
