@@ -17,6 +17,22 @@ def val(node) -> object:
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
+def retarget(node: torch.fx.Node, target) -> bool:
+    """Point an op node at another op with the same arguments and its first outputs unchanged (a
+    variant returning more), recomputing its fake value; False (node untouched) where the node has
+    no fake value to recompute it from."""
+    fake = node.meta.get("val")
+    fake_mode = getattr(fake[0], "fake_mode", None) if isinstance(fake, (tuple, list)) and fake else None
+    if fake_mode is None:
+        return False
+    args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
+    kwargs = {k: a.meta.get("val") if isinstance(a, torch.fx.Node) else a for k, a in node.kwargs.items()}
+    node.target = target
+    with fake_mode:
+        node.meta["val"] = target(*args, **kwargs)
+    return True
+
+
 def same_shape(s1, s2) -> bool:
     """True only when the shapes are provably equal; never adds a guard on symbolic sizes."""
     return len(s1) == len(s2) and all(statically_known_true(a == b) for a, b in zip(s1, s2))

@@ -220,38 +220,26 @@ def _tuned_config(key, Wx, run):
 _DECISIONS: dict = {}
 
 
-def forward(key, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n):
-    """Kernel path for xaccel::slstm, or NotImplemented where it does not apply."""
-    if _takes(Wx, R, b) is not None:
+def forward(key, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n, save=False):
+    """Kernel path for xaccel::slstm (save: xaccel::slstm_saving, also writing what the backward
+    kernel reads), or NotImplemented where it does not apply."""
+    if _takes(Wx, R, b) is not None or save and configs.backward_default(Wx.shape[-1]) is None:
         return NotImplemented
     first_fresh = _first_fresh(fresh, n0)
     if first_fresh is None:
         return NotImplemented
     Wx, R, b, states = _prepared(Wx, R, b, (h0, c0, n0, m0))
-    short = Wx[:, :min(Wx.shape[1], 256)]
-
-    def run(cfg, W=Wx):
-        return launch(cfg, W, R, b, *states, first_fresh, fresh, clamp_gates, clamp_n)
-
-    cfg = _tuned_config(key, Wx, lambda c: run(c, short))
-    runtime.record_choice(key, "slstm", f"B{Wx.shape[0]} T{Wx.shape[1]} NH{Wx.shape[3]} D{Wx.shape[4]}",
+    short = Wx[:, :min(Wx.shape[1], 256)]  # tuning times a slice: the per-step cost is what differs
+    cfg = _tuned_config(key, Wx, lambda c: launch(c, short, R, b, *states, first_fresh, fresh, clamp_gates, clamp_n))
+    runtime.record_choice(key, "slstm_saving" if save else "slstm",
+                          f"B{Wx.shape[0]} T{Wx.shape[1]} NH{Wx.shape[3]} D{Wx.shape[4]}",
                           f"cuda cluster C{cfg['C']} warps{cfg['NW']}")
-    return run(cfg)
+    return launch(cfg, Wx, R, b, *states, first_fresh, fresh, clamp_gates, clamp_n, save=save)
 
 
-def forward_saving(key, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n):
-    """Kernel path for xaccel::slstm_saving: the forward writing what the backward kernel reads."""
-    if _takes(Wx, R, b) is not None or configs.backward_default(Wx.shape[-1]) is None:
-        return NotImplemented
-    first_fresh = _first_fresh(fresh, n0)
-    if first_fresh is None:
-        return NotImplemented
-    Wx, R, b, states = _prepared(Wx, R, b, (h0, c0, n0, m0))
-    cfg = _tuned_config(key, Wx, lambda c: launch(c, Wx[:, :min(Wx.shape[1], 256)], R, b, *states, first_fresh,
-                                                   fresh, clamp_gates, clamp_n))
-    runtime.record_choice(key, "slstm_saving", f"B{Wx.shape[0]} T{Wx.shape[1]} NH{Wx.shape[3]} D{Wx.shape[4]}",
-                          f"cuda cluster C{cfg['C']} warps{cfg['NW']}")
-    return launch(cfg, Wx, R, b, *states, first_fresh, fresh, clamp_gates, clamp_n, save=True)
+def forward_saving(key, *args):
+    """Kernel path for xaccel::slstm_saving."""
+    return forward(key, *args, save=True)
 
 
 def _prepared(Wx, R, b, states):

@@ -7,6 +7,7 @@ import torch
 import torch.fx
 
 from .. import PassContext
+from ..graph_utils import retarget
 
 NOTE = "keeps its chunk states for the backward"
 
@@ -32,20 +33,14 @@ def keep(gm: torch.fx.GraphModule) -> int:
     old, new = torch.ops.xaccel.mlstm.default, torch.ops.xaccel.mlstm_with_chunk_states.default
     changed = 0
     for node in list(gm.graph.find_nodes(op="call_function", target=old)):
-        fake = node.meta.get("val")
-        fake_mode = getattr(fake[0], "fake_mode", None) if isinstance(fake, (tuple, list)) else None
         args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
-        kwargs = {k: a.meta.get("val") if isinstance(a, torch.fx.Node) else a for k, a in node.kwargs.items()}
         q, v = args[0], args[2]
-        chunk = args[9] if len(args) > 9 else kwargs.get("chunk_size")
-        if fake_mode is None or not isinstance(q, torch.Tensor) or not isinstance(v, torch.Tensor):
+        chunk = args[9] if len(args) > 9 else node.kwargs.get("chunk_size")
+        if not isinstance(q, torch.Tensor) or not isinstance(v, torch.Tensor):
             continue
         DK, DV = q.shape[-1], v.shape[-1]
         if not all(isinstance(d, int) for d in (DK, DV, chunk)) or \
                 not kernels.backward_reads_kept_states(q.device.type, q.dtype, DK, DV, chunk):
             continue
-        node.target = new
-        with fake_mode:
-            node.meta["val"] = new(*args, **kwargs)
-        changed += 1
+        changed += retarget(node, new)
     return changed

@@ -7,6 +7,7 @@ import torch
 import torch.fx
 
 from .. import PassContext
+from ..graph_utils import retarget
 
 NOTE = "keeps its per-step states for the backward"
 
@@ -31,16 +32,9 @@ def keep(gm: torch.fx.GraphModule) -> int:
     old, new = torch.ops.xaccel.slstm.default, torch.ops.xaccel.slstm_saving.default
     changed = 0
     for node in list(gm.graph.find_nodes(op="call_function", target=old)):
-        fake = node.meta.get("val")
-        fake_mode = getattr(fake[0], "fake_mode", None) if isinstance(fake, (tuple, list)) else None
-        args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
-        Wx, R = args[0], args[1]
-        if fake_mode is None or not isinstance(Wx, torch.Tensor) or not isinstance(R, torch.Tensor) or node.kwargs:
+        Wx, R = (a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args[:2])
+        if not isinstance(Wx, torch.Tensor) or not isinstance(R, torch.Tensor) or node.kwargs:
             continue
-        if not isinstance(Wx.shape[-1], int) or not kernels.backward_reads_kept_states(Wx, R):
-            continue
-        node.target = new
-        with fake_mode:
-            node.meta["val"] = new(*args)
-        changed += 1
+        if isinstance(Wx.shape[-1], int) and kernels.backward_reads_kept_states(Wx, R):
+            changed += retarget(node, new)
     return changed
