@@ -1,6 +1,8 @@
 """torch_xaccel.explain: what the backend would do with a model on given inputs."""
 from __future__ import annotations
 
+import re
+
 from . import runtime
 from .report import Fallback, Report, collect
 
@@ -31,5 +33,14 @@ def explain(model, *args, **kwargs) -> Report:
     for b in breaks:
         frames = getattr(b, "user_stack", None) or []
         where = f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}" if frames else ""
-        report.graph_breaks.append(Fallback("graph_break", str(b.reason).strip().splitlines()[0], where))
+        report.graph_breaks.append(Fallback("graph_break", _break_reason(str(b.reason)), where))
     return report
+
+
+def _break_reason(text: str) -> str:
+    """The first line of Dynamo's reason, or the message of a graph_break(msg=...) call (where
+    torch_xaccel leaves library code as written, the message says why)."""
+    message = re.search(r"User-inserted graph break\. Message: (.+)", text)
+    if message and message.group(1).strip() not in ("", "None"):
+        return message.group(1).strip()
+    return text.strip().splitlines()[0]

@@ -4,4 +4,12 @@
 - settings.py: switches for the A/B forms the kernels keep
 - triton_kernels.py + templates/mlstm_*.py.jinja: rendering, launches, tuning, the providers
 """
-from .triton_kernels import backward, backward_reads_kept_states, forward, forward_keeping_states, step  # noqa: F401
+from .triton_kernels import (  # noqa: F401
+    backward,
+    backward_reads_kept_states,
+    forward,
+    forward_keeping_states,
+    step,
+    why_not,
+    why_not_on_cuda,
+)

@@ -161,6 +161,24 @@ def _supported(q, k, v, S, phase: str) -> bool:
     return interpreting() or configs.any_config_fits(phase, DK, DV, q.element_size())
 
 
+def why_not(q, k, v) -> str | None:
+    """For the lowering, on tensors or their fake values: why the kernels would not run this case
+    on its CUDA device (None: they would, or the tensors are not on a CUDA device)."""
+    if q.device.type != "cuda":
+        return None
+    return why_not_on_cuda(q.dtype, k.dtype, v.dtype, q.shape[-1], v.shape[-1])
+
+
+def why_not_on_cuda(q_dtype, k_dtype, v_dtype, DK: int, DV: int) -> str | None:
+    if q_dtype not in configs.DTYPES or k_dtype != q_dtype or v_dtype != q_dtype:
+        return f"no mLSTM kernel for {q_dtype} / {k_dtype} / {v_dtype}"
+    if DK not in configs.HEAD_DIMS or DV not in configs.HEAD_DIMS:
+        return f"no mLSTM kernel for head dims {DK}/{DV} (the kernels take {', '.join(map(str, configs.HEAD_DIMS))})"
+    if not configs.any_config_fits("fwd", DK, DV, q_dtype.itemsize):
+        return f"no mLSTM kernel configuration fits head dims {DK}/{DV} in {q_dtype}"
+    return None
+
+
 def _strided(t: torch.Tensor) -> torch.Tensor:
     """t itself when the kernels can read it in place (unit stride along the head dim; the gates
     [B, H, S] take any strides), else a contiguous copy: the usual transposed projections

@@ -68,16 +68,22 @@ def default(D: int) -> dict | None:
 
 
 # ---- the backward kernel ------------------------------------------------------------------------
-# A CTA holds R[head, :, :, its U units] ([4D, U]: U / 8 n-tiles x 4D / 16 k-steps), split over its
-# NW warps along the 4D axis; its dynamic shared memory holds the gate-gradient double buffer
-# [2, BT, 4D], the warps' partial sums, the input ring and the step's gate gradients staged for
-# 16-byte stores.
+# A CTA holds R[head, :, its U units, :] ([4U, D]: D / 8 n-tiles x 4U / 16 k-steps), split over its NW
+# warps along D (NTW n-tiles each); its dynamic shared memory holds the double-buffered shares of dh
+# [2, C, BT, U] (bf16 for bf16 inputs, else fp32: the template says why), the double-buffered staged
+# gate gradients [2, BT, 4U + 8] and the input ring.
 MAX_DYNAMIC_SHARED = 200 * 1024
+BACKWARD_WARPS = (4, 8, 12, 16)
 
 
-def backward_shared_bytes(D: int, U: int, NW: int, STAGES: int) -> int:
-    return 2 * BT * (4 * D + 8) * 2 + NW * BT * (U + 4) * 4 + \
-        STAGES * RING_WORDS["bwd"] * _slots_per_thread(U, NW) * NW * 32 * 4 + BT * 4 * U * 2
+def share_bytes(dtype: torch.dtype) -> int:
+    return 2 if dtype == torch.bfloat16 else 4
+
+
+def backward_shared_bytes(D: int, U: int, NW: int, STAGES: int, share: int = 4) -> int:
+    """share: bytes per exchanged share of dh (the candidates are sized for the larger, 4)."""
+    return 2 * BT * D * share + 2 * BT * (4 * U + 8) * 2 + \
+        STAGES * RING_WORDS["bwd"] * _slots_per_thread(U, NW) * NW * 32 * 4
 
 
 def backward_candidates(D: int) -> list[dict]:
@@ -85,13 +91,13 @@ def backward_candidates(D: int) -> list[dict]:
     for C in CLUSTER_SIZES:
         if D % C or (D // C) % 8:
             continue
-        U, k_steps = D // C, 4 * D // 16
-        for NW in (4, 8, 16):
-            if k_steps % NW or (k_steps // NW) * (U // 8) * 2 > MAX_R_REGISTERS:
+        U, k_steps, n_tiles = D // C, 4 * (D // C) // 16, D // 8
+        for NW in BACKWARD_WARPS:
+            if n_tiles % NW or (n_tiles // NW) * k_steps * 2 > MAX_R_REGISTERS:
                 continue
-            stages = next((s for s in (4, 3, 2) if backward_shared_bytes(D, U, NW, s) <= MAX_DYNAMIC_SHARED), None)
+            stages = next((s for s in (6, 4, 3, 2) if backward_shared_bytes(D, U, NW, s) <= MAX_DYNAMIC_SHARED), None)
             if stages:
-                out.append({"C": C, "U": U, "NW": NW, "STAGES": stages})
+                out.append({"C": C, "U": U, "NW": NW, "NTW": n_tiles // NW, "STAGES": stages})
     return out
 
 

@@ -276,7 +276,8 @@ def backward(key, gy, ghT, gcT, gnT, gmT, Wx, R, b, h0, c0, n0, m0, fresh, clamp
              _ptr(raw), _ptr(cnm), _ptr(Rc), *(_ptr(s) for s in states[1:]), _ptr(flag),
              _int(0 if flag is not None else int(first_fresh)), _ptr(dy), *(_ptr(f) for f in finals), _ptr(dWx),
              *(_ptr(g) for g in state_grads), _int(B), _int(T),
-             shared=configs.backward_shared_bytes(D, cfg["U"], cfg["NW"], cfg["STAGES"]))
+             shared=configs.backward_shared_bytes(D, cfg["U"], cfg["NW"], cfg["STAGES"],
+                                                configs.share_bytes(Wx.dtype)))
     else:
         dWx.zero_()
         for g, f in zip(state_grads, finals):

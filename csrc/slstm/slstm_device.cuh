@@ -28,6 +28,11 @@ __device__ __forceinline__ u16 float_to_half(float f) {
     return h;
 }
 
+// two floats as one 32-bit word of 16-bit floats (x in the low half)
+__device__ __forceinline__ u32 pack_half2(float x, float y) {
+    return (u32)float_to_half(x) | ((u32)float_to_half(y) << 16);
+}
+
 // acc[4] += A (16x16, row-major fragment a[4]) * B (16x8, column fragment b[2]), fp32 accumulate
 __device__ __forceinline__ void mma_16816(float* acc, const u32* a, const u32* b) {
 #ifdef XACCEL_F16
@@ -158,4 +163,10 @@ __device__ __forceinline__ void store_async_v4(u32 address, uint4 value, u32 rem
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
                  :: "r"(address), "r"(value.x), "r"(value.y), "r"(value.z), "r"(value.w), "r"(remote_bar)
                  : "memory");
+}
+
+// 8 bytes (8-byte aligned on both sides) into a peer's shared memory, counted on its mbarrier
+__device__ __forceinline__ void store_async_v2(u32 address, float x, float y, u32 remote_bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];"
+                 :: "r"(address), "f"(x), "f"(y), "r"(remote_bar) : "memory");
 }

@@ -1,6 +1,7 @@
 """Helpers shared by the mLSTM passes' structural walks over ATen graphs."""
 from __future__ import annotations
 
+import torch
 import torch.fx
 
 DYNAMIC_EPS = ("eps is a dynamic Python float (torch.compile makes float arguments graph inputs under "
@@ -38,3 +39,15 @@ def example_int(size) -> int | None:
         return size
     hint = getattr(getattr(size, "node", None), "hint", None)
     return int(hint) if hint is not None else None
+
+
+def kernel_refusal(q, k, v) -> str | None:
+    """Why no kernel would run an mLSTM on these values' CUDA device (None: one would, or they are
+    not on CUDA, where the reference is the product's path). On a GPU, a match that only the op's
+    chunkwise reference would run stays as written: replacing it would make the compiled model
+    slower than the uncompiled one."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return None
+    from torch_xaccel.codegen import mlstm as kernels
+
+    return kernels.why_not(q, k, v)

@@ -32,7 +32,7 @@ from torch_xaccel.report import Fallback, Replacement
 from .. import CONSTANT_FLOATS, PassContext
 from ..graph_utils import location, val
 from . import provenance, substitutions
-from .matching import DynamicEps, NoMatch, example_int, expect, is_op
+from .matching import DynamicEps, NoMatch, example_int, expect, is_op, kernel_refusal
 
 FAMILY = "mlstm"
 aten = torch.ops.aten
@@ -418,6 +418,11 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         refusals = [r for r in (_cached_mask_refusal(root, neg, gm) for _, root, neg in mask_checks) if r]
         if refusals:
             report.fallbacks.append(Fallback(FAMILY, f"mLSTM with {refusals[0]}: left as written", location(h)))
+            continue
+        slower = kernel_refusal(*(val(inputs[x]) for x in "qkv"))
+        if slower:
+            report.fallbacks.append(Fallback(FAMILY, f"mLSTM left as written: {slower}; the op's reference would run "
+                                                     "instead, slower than this code", location(h)))
             continue
         fake_mode = getattr(val(inputs["q"]), "fake_mode", None)
         with graph.inserting_before(h):

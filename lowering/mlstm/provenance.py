@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch_xaccel.report import Fallback, GraphReport, Replacement
 
 from ..graph_utils import frames, location, val
+from .matching import kernel_refusal
 
 FAMILY = "mlstm"
 aten = torch.ops.aten
@@ -220,6 +221,9 @@ def _replace_region(gm, report, label, nodes, kinds) -> str | None:
     dtype = val(q).dtype
     if val(out).dtype != dtype:
         return "result dtype differs from q's"
+    slower = kernel_refusal(val(q), val(k), val(v))
+    if slower:
+        return f"left as written: {slower}; the op's reference would run instead, slower than this code"
     with graph.inserting_before(out):
         if kind == "zeros":
             sizes = [graph.call_function(aten.sym_size.int, (q, d)) for d in range(4)]

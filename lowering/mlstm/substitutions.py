@@ -48,6 +48,18 @@ def _enabled() -> bool:
     return not cfg.disable and "mlstm" in cfg.patterns
 
 
+@torch._dynamo.assume_constant_result
+def _kernel_refusal(device: str, q_dtype, k_dtype, v_dtype, DK: int, DV: int) -> str:
+    """Why no kernel would run this call ("" if one would, or off CUDA), evaluated at trace time:
+    on a GPU, a call that only the op's chunkwise reference would run stays the library's code,
+    which is faster than that reference."""
+    if device != "cuda":
+        return ""
+    from torch_xaccel.codegen import mlstm as kernels
+
+    return kernels.why_not_on_cuda(q_dtype, k_dtype, v_dtype, DK, DV) or ""
+
+
 def native_chunkwise_as_xaccel(q, k, v, i, f, c_initial=None, n_initial=None, m_initial=None,
                                return_last_states=False, eps=1e-6, chunk_size=64, **kwargs):
     """Same signature and results (to eps-level rounding) as the library function."""
@@ -80,8 +92,11 @@ def parallel_stabilized_as_xaccel(queries, keys, values, igate_preact, fgate_pre
     """Same signature and results (to fp32 rounding; the op computes in fp32 whatever the input
     dtype) as xlstm's parallel_stabilized_simple with row-wise stabilization."""
     S = queries.shape[-2]
-    if not _enabled() or not stabilize_rowwise:
-        torch._dynamo.graph_break()  # run the library's own code eagerly, outside the graph
+    slower = _kernel_refusal(queries.device.type, queries.dtype, keys.dtype, values.dtype,
+                             int(queries.shape[-1]), int(values.shape[-1]))
+    if not _enabled() or not stabilize_rowwise or slower:
+        # run the library's own code eagerly, outside the graph
+        torch._dynamo.graph_break(msg=f"xaccel: parallel_stabilized_simple left as written: {slower}" if slower else "")
         from xlstm.blocks.mlstm.backends import parallel_stabilized_simple
 
         return parallel_stabilized_simple(queries, keys, values, igate_preact, fgate_preact, lower_triangular_matrix,

@@ -151,6 +151,60 @@ def test_xlstm_block_stack_mlstm_layer_replaced_equal_in_forward_and_gradients(S
                    torch.cat([g.flatten() for g in grads])) <= 1e-5
 
 
+def _compiled_and_explained(model, x):
+    """(eager output, compiled output, explain()'s report), without autograd."""
+    torch._dynamo.reset()
+    with torch.no_grad():
+        return model(x), torch.compile(model, backend="xaccel")(x), torch_xaccel.explain(model, x)
+
+
+def test_xlstm_block_stack_mlstm_without_a_kernel_is_left_as_written_with_the_reason(monkeypatch):
+    """Where no kernel would run the layer (on a GPU: a head dim the kernels lack), the library's
+    parallel_stabilized_simple runs as written (the op's chunkwise reference would be slower than
+    it), and explain() says why. Simulated on CPU by a trace-time check that declines."""
+    from torch_xaccel.lowering.mlstm import substitutions
+
+    monkeypatch.setattr(substitutions, "_kernel_refusal", lambda device, q, k, v, DK, DV: f"no kernel for {DK}/{DV}")
+    want, got, report = _compiled_and_explained(_block_stack().eval(), torch.randn(2, 48, 64))
+    assert rel_err(got, want) <= 1e-6
+    assert report.counts()["mlstm"] == 0
+    assert any("parallel_stabilized_simple left as written: no kernel for 32/32" in b.reason
+               for b in report.graph_breaks), [b.reason for b in report.graph_breaks]
+
+
+def test_kernel_refusal_names_what_the_mlstm_kernels_lack_on_cuda():
+    """Fake CUDA values (no GPU needed): head dim 384 (E768 with 4 heads and projection factor 2, as
+    in xLSTMBlockStack) has no kernel; a power-of-two head dim has; CPU values are never refused."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torch_xaccel.lowering.mlstm.matching import kernel_refusal
+
+    with FakeTensorMode():
+        wide, fits = (torch.empty(2, 4, 64, d, device="cuda", dtype=torch.bfloat16) for d in (384, 256))
+    assert "head dims 384/384" in kernel_refusal(wide, wide, wide)
+    assert kernel_refusal(fits, fits, fits) is None
+    cpu = torch.empty(2, 4, 64, 384)
+    assert kernel_refusal(cpu, cpu, cpu) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_xlstm_block_stack_head_dim_384_on_cuda_is_left_as_written(monkeypatch):
+    """The bench's 7:1 stack's mLSTM (E768, 4 heads: head dim 384) on a GPU: no kernel takes it, so
+    the layer runs as written, reported, equal to eager."""
+    from xlstm import mLSTMBlockConfig, mLSTMLayerConfig, xLSTMBlockStack, xLSTMBlockStackConfig
+
+    cfg = xLSTMBlockStackConfig(
+        mlstm_block=mLSTMBlockConfig(mlstm=mLSTMLayerConfig(conv1d_kernel_size=4, qkv_proj_blocksize=4, num_heads=4)),
+        context_length=64, num_blocks=1, embedding_dim=768, slstm_at=[])
+    torch.manual_seed(0)
+    want, got, report = _compiled_and_explained(xLSTMBlockStack(cfg).cuda().eval(),
+                                                torch.randn(2, 64, 768, device="cuda"))
+    assert rel_err(got, want) <= 1e-5
+    assert report.counts()["mlstm"] == 0
+    assert any("head dims 384/384" in b.reason for b in report.graph_breaks), str(report)
+
+
 def test_xlstm_block_stack_runs_library_code_when_mlstm_is_switched_off(monkeypatch):
     monkeypatch.setenv("XACCEL_PATTERNS", "gemm_epilogue")
     model, x = _block_stack().eval(), torch.randn(2, 48, 64)
