@@ -67,3 +67,20 @@ def fuzz_batch(seeds, generate, check, describe) -> None:
         if why:
             failures.append(f"seed {seed}: {why}\n{describe(case)}")
     assert not failures, "\n\n".join(failures)
+
+
+def onnx_checked_in_a_fresh_process(path) -> None:
+    """onnx.checker.check_model(full_check=True) where nothing registered an xaccel schema (a
+    user's machine): the file must stand on its own."""
+    code = f"import onnx; onnx.checker.check_model(onnx.load({str(path)!r}), full_check=True)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def onnxruntime_outputs(path, *inputs) -> list:
+    """The model's outputs from a stock onnxruntime (CPU) session."""
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = {i.name: t.detach().numpy() for i, t in zip(session.get_inputs(), inputs)}
+    return [torch.from_numpy(o) for o in session.run(None, feeds)]

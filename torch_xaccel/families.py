@@ -33,6 +33,11 @@ class Family:
     # "module:function" register(): hooks that must exist before Dynamo traces (library functions
     # traced as xaccel ops); called when the backend loads and at every compile
     trace_hooks: str | None = None
+    # op name -> "module:function" body(call) -> onnx.FunctionProto: the op's ONNX body, built from
+    # its reference (torch_xaccel.onnx attaches it); an op without one is not fused in an export
+    onnx: dict[str, str] = field(default_factory=dict)
+    # pattern -> the xaccel ops its pass inserts, where they are not just the pattern's name
+    emits: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def patterns(self) -> tuple[str, ...]:
@@ -50,12 +55,14 @@ FAMILIES: tuple[Family, ...] = (
         ops="torch_xaccel.ops.gemm_epilogue",
         providers={"gemm_epilogue": "torch_xaccel.codegen.gemm_epilogue:provider"},
         backward_pass="torch_xaccel.lowering.gemm_epilogue.backward:backward_pass",
+        onnx={"gemm_epilogue": "torch_xaccel.ops.gemm_epilogue.onnx:gemm_epilogue_function"},
     ),
     Family(
         "mlstm",
         passes={"mlstm": "torch_xaccel.lowering.mlstm.parallel:run",
                 "mlstm_step": "torch_xaccel.lowering.mlstm.step:run"},
         ops="torch_xaccel.ops.mlstm",
+        emits={"mlstm_step": ("mlstm_step", "mlstm")},  # a loop of steps over a prefill becomes xaccel.mlstm
         providers={"mlstm": "torch_xaccel.codegen.mlstm:forward",
                    "mlstm_with_chunk_states": "torch_xaccel.codegen.mlstm:forward_keeping_states",
                    "mlstm_backward": "torch_xaccel.codegen.mlstm:backward",
@@ -74,6 +81,8 @@ FAMILIES: tuple[Family, ...] = (
                    "slstm_step": "torch_xaccel.codegen.slstm:step"},
         after_passes="torch_xaccel.lowering.slstm.saving:run",
         trace_hooks="torch_xaccel.lowering.slstm.substitutions:register",
+        onnx={"slstm": "torch_xaccel.ops.slstm.onnx:slstm_function",
+              "slstm_step": "torch_xaccel.ops.slstm.onnx:slstm_step_function"},
     ),
 )
 

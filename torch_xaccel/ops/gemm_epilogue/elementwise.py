@@ -40,7 +40,6 @@ class Elementwise:
     grad: str | None = None
     grad_reads: str | None = None
     vjp: Callable | None = None
-    onnx: object = None  # the ONNX exporter's expression (not built yet)
 
 
 _GELU_ERF = "0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476))"

@@ -1,0 +1,4 @@
+"""ONNX export with the fused ops as custom-domain nodes that carry their own bodies:
+`torch_xaccel.onnx.export(model, args, "model.onnx")` (export.py). Each family's bodies live
+beside its reference, in ops/<family>/onnx.py."""
+from .export import ExportResult, export  # noqa: F401

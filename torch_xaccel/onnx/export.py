@@ -1,0 +1,142 @@
+"""torch_xaccel.onnx.export: the compile's lowering, written as ONNX.
+
+torch.export -> the same pattern passes as torch.compile(backend="xaccel") on the exported ATen
+graph (so the same matches, refusals and report) -> each xaccel op as one `xaccel`-domain node
+(symbolic.py) -> torch.onnx's exporter -> a FunctionProto per node form (functions.py), so that a
+stock onnxruntime runs the model with no plugin. Families whose ops have no ONNX body yet are left
+out of the passes: their code exports as standard ONNX, and the report says so."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from torch_xaccel import config, families
+from torch_xaccel.report import Fallback, Report, new_graph_report
+
+from . import functions as bodies, symbolic
+
+
+@dataclass
+class ExportResult:
+    model: object  # onnx.ModelProto
+    path: str | None  # where it was written, if a path was given
+    report: Report  # what became xaccel nodes, what stayed standard ONNX and why
+    xaccel_nodes: dict[str, int] = field(default_factory=dict)  # op -> its nodes in the graph
+
+    def __str__(self) -> str:
+        nodes = ", ".join(f"{k}={v}" for k, v in sorted(self.xaccel_nodes.items())) or "none"
+        return f"ONNX export{' to ' + self.path if self.path else ''}: xaccel nodes {nodes}\n{self.report}"
+
+
+def _exportable_patterns(cfg) -> tuple[set[str], list[str]]:
+    """(the patterns whose every op has an ONNX body, the others)."""
+    translated = bodies.translatable()
+    ok, missing = set(), []
+    for f in families.FAMILIES:
+        for pattern in f.patterns:
+            if pattern not in cfg.patterns:
+                continue
+            if all(op in translated for op in f.emits.get(pattern, (pattern,))):
+                ok.add(pattern)
+            else:
+                missing.append(pattern)
+    return ok, missing
+
+
+def _resync_outputs(ep) -> None:
+    """The passes may replace a node that the graph returns: point the exported program's output
+    specs at the output node's arguments again (names are what its signature records)."""
+    out = next(n for n in ep.graph_module.graph.nodes if n.op == "output")
+    returned = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    for spec, node in zip(ep.graph_signature.output_specs, returned):
+        if isinstance(node, torch.fx.Node) and hasattr(spec.arg, "name"):
+            spec.arg = dataclasses.replace(spec.arg, name=node.name)
+
+
+def _exported(model, args, kwargs, dynamic_shapes, strict, report):
+    def run(strict_mode: bool):
+        if strict_mode:
+            families.install_trace_hooks()
+        return torch.export.export(model, args, kwargs=kwargs, dynamic_shapes=dynamic_shapes, strict=strict_mode)
+    if strict is not None:
+        return run(strict)
+    try:
+        return run(False)
+    except Exception as e:  # noqa: BLE001 - retried in strict mode; its failure is the one raised
+        first = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+    ep = run(True)
+    report.fallbacks.append(Fallback("backend", f"exported in strict mode (Dynamo): the non-strict export failed "
+                                                f"({first})"))
+    return ep
+
+
+def _check_translatable(ep) -> None:
+    """An xaccel op in the graph (the model's own call, or a pass) with no ONNX body: a clear error
+    now, not an exporter failure or a file that fails later."""
+    from torch_xaccel.lowering.graph_utils import location
+
+    known = bodies.translatable()
+    for node in ep.graph_module.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.namespace == "xaccel":
+            name = target._schema.name.split("::")[1]
+            if name not in known:
+                raise ValueError(f"torch_xaccel.onnx.export: xaccel::{name} ({location(node) or 'in the model'}) "
+                                 f"has no ONNX body yet; the ops with one: {', '.join(sorted(known))}")
+
+
+def _lower(ep, cfg, report) -> None:
+    from torch_xaccel.lowering import PassContext, run_passes
+
+    run_passes(ep.graph_module, PassContext(cfg, report, training=False))
+    _resync_outputs(ep)
+
+
+def export(model, args, f=None, *, kwargs=None, dynamic_shapes=None, opset_version=None, functions: bool = True,
+           report: bool = True, strict: bool | None = None) -> ExportResult:
+    """Export `model(*args, **kwargs)` to ONNX with each fused region as one `xaccel` node.
+
+    dynamic_shapes: torch.export's, kept symbolic in the ONNX graph. functions: attach each node's
+    body (standard ONNX ops) so that any onnxruntime runs the file; False leaves the bare custom
+    nodes for a runtime that implements the domain. report: print what was fused and what was
+    not. strict: trace with Dynamo (torch.export's strict mode), which also applies the library
+    substitutions of torch.compile (xlstm's and FlashRNN's sLSTM loops, the mLSTM library calls);
+    None (default): non-strict, and strict where that fails (the xlstm package's sLSTM loop
+    branches on its state's values, which only the substitution removes).
+    Returns an ExportResult (the ModelProto, the path, the report, the xaccel node counts)."""
+    import onnx
+
+    cfg = config.load()
+    graph_report = new_graph_report()
+    ok, missing = _exportable_patterns(cfg)
+    cfg = dataclasses.replace(cfg, patterns=frozenset(ok))
+    graph_report.patterns = tuple(sorted(ok))
+    for pattern in missing:
+        graph_report.fallbacks.append(Fallback(families.family_of(pattern).name, f"pattern {pattern}: its ops have no "
+                                               "ONNX body yet; its code exports as standard ONNX"))
+    ep = _exported(model, tuple(args), kwargs, dynamic_shapes, strict, graph_report)
+    if not cfg.disable:
+        try:
+            _lower(ep, cfg, graph_report)
+        except Exception as e:  # noqa: BLE001 - as in a compile: the model as written, and the reason
+            graph_report.replacements.clear()
+            graph_report.fallbacks.append(Fallback("backend", f"{type(e).__name__}: {e}; exported the model as "
+                                                              "written"))
+            ep = _exported(model, tuple(args), kwargs, dynamic_shapes, strict, graph_report)
+    _check_translatable(ep)
+    ops = [getattr(torch.ops.xaccel, op).default for op in sorted(bodies.translatable())]
+    ep = ep.run_decompositions({op: symbolic.decomposition(op) for op in ops})
+    with bodies.quiet_exporter():
+        program = torch.onnx.export(ep, dynamo=True, opset_version=opset_version, dynamic_shapes=dynamic_shapes,
+                                    verbose=False)
+    proto = program.model_proto  # (a fresh serialization on every access: edit this one)
+    counts = bodies.attach(proto) if functions else bodies.count(proto)
+    if f is not None:
+        onnx.save(proto, os.fspath(f))
+    result = ExportResult(proto, os.fspath(f) if f is not None else None, Report(graphs=[graph_report]), counts)
+    if report:
+        print(result, flush=True)
+    return result
