@@ -69,6 +69,8 @@ FAMILIES: tuple[Family, ...] = (
                    "mlstm_step": "torch_xaccel.codegen.mlstm:step"},
         after_passes="torch_xaccel.lowering.mlstm.chunk_states:run",
         trace_hooks="torch_xaccel.lowering.mlstm.substitutions:register",
+        onnx={"mlstm": "torch_xaccel.ops.mlstm.onnx:mlstm_function",
+              "mlstm_step": "torch_xaccel.ops.mlstm.onnx:mlstm_step_function"},
     ),
     Family(
         "slstm",

@@ -57,6 +57,8 @@ def _resync_outputs(ep) -> None:
 
 
 def _exported(model, args, kwargs, dynamic_shapes, strict, report):
+    """torch.export's program. strict=None: Dynamo first (it applies the library substitutions, so
+    the export finds what a compile finds), non-strict where Dynamo cannot trace the model."""
     def run(strict_mode: bool):
         if strict_mode:
             families.install_trace_hooks()
@@ -64,12 +66,12 @@ def _exported(model, args, kwargs, dynamic_shapes, strict, report):
     if strict is not None:
         return run(strict)
     try:
-        return run(False)
-    except Exception as e:  # noqa: BLE001 - retried in strict mode; its failure is the one raised
+        return run(True)
+    except Exception as e:  # noqa: BLE001 - retried without Dynamo; that failure is the one raised
         first = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
-    ep = run(True)
-    report.fallbacks.append(Fallback("backend", f"exported in strict mode (Dynamo): the non-strict export failed "
-                                                f"({first})"))
+    ep = run(False)
+    report.fallbacks.append(Fallback("backend", f"exported without Dynamo (torch.export non-strict; the library "
+                                                f"substitutions do not apply): Dynamo failed ({first})"))
     return ep
 
 
@@ -102,10 +104,9 @@ def export(model, args, f=None, *, kwargs=None, dynamic_shapes=None, opset_versi
     dynamic_shapes: torch.export's, kept symbolic in the ONNX graph. functions: attach each node's
     body (standard ONNX ops) so that any onnxruntime runs the file; False leaves the bare custom
     nodes for a runtime that implements the domain. report: print what was fused and what was
-    not. strict: trace with Dynamo (torch.export's strict mode), which also applies the library
-    substitutions of torch.compile (xlstm's and FlashRNN's sLSTM loops, the mLSTM library calls);
-    None (default): non-strict, and strict where that fails (the xlstm package's sLSTM loop
-    branches on its state's values, which only the substitution removes).
+    not. strict: True traces with Dynamo (torch.export's strict mode), which applies torch.compile's
+    library substitutions (xlstm's and FlashRNN's sLSTM loops, the mLSTM library calls); False
+    traces without it; None (default): Dynamo, and non-strict where Dynamo fails.
     Returns an ExportResult (the ModelProto, the path, the report, the xaccel node counts)."""
     import onnx
 

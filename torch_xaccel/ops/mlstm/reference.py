@@ -51,6 +51,34 @@ def forward(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor | 
     out_dtype, cd = q.dtype, compute_dtype(q)
     L = chunk_size
     pad = (-S) % L
+    q, k, v, i, logf = prepared(q, k, v, i, f, L)
+    if C0 is None:
+        C = q.new_zeros(B, H, DK, DV)
+        n = q.new_zeros(B, H, DK)
+        m = q.new_full((B, H), float("-inf"))
+    else:
+        C, n, m = C0.to(cd), n0.to(cd), m0.to(cd)
+    hs, entering, rows = [], [], []
+    for c in range(0, S + pad, L):
+        if keep_chunk_states:
+            entering.append((C, n, m))
+        sl = slice(c, c + L)
+        h_c, C, n, m, den, m_t = chunk_step(q[:, :, sl], k[:, :, sl], v[:, :, sl], i[:, :, sl], logf[:, :, sl],
+                                            C, n, m, eps)
+        hs.append(h_c)
+        if keep_chunk_states:
+            rows.append(torch.stack((den, m_t), dim=2))                      # [B,H,2,L]
+    h = torch.cat(hs, dim=2)[:, :, :S]
+    if keep_chunk_states:
+        Cs, ns, ms = (torch.stack(t, dim=2) for t in zip(*entering))
+        return h.to(out_dtype), C, n, m, Cs.to(out_dtype), ns, ms, torch.cat(rows, dim=3)[..., :S].contiguous()
+    return h.to(out_dtype), C, n, m
+
+
+def prepared(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, chunk_size: int) -> tuple[Tensor, ...]:
+    """The scan's inputs: (q, k / sqrt(DQK), v, i, logsigmoid(f)) in the compute dtype, the sequence
+    padded to a multiple of chunk_size with positions that change nothing."""
+    cd, DK, pad = compute_dtype(q), q.shape[-1], (-q.shape[-2]) % chunk_size
     q, k, v, i, f = (t.to(cd) for t in (q, k, v, i, f))
     k = k * DK ** -0.5
     logf = F.logsigmoid(f)
@@ -58,42 +86,33 @@ def forward(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor | 
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
         logf = F.pad(logf, (0, pad))
         i = F.pad(i, (0, pad), value=PAD_GATE)
-    if C0 is None:
-        C = q.new_zeros(B, H, DK, DV)
-        n = q.new_zeros(B, H, DK)
-        m = q.new_full((B, H), float("-inf"))
-    else:
-        C, n, m = C0.to(cd), n0.to(cd), m0.to(cd)
-    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-    hs, entering, rows = [], [], []
-    for c in range(0, S + pad, L):
-        if keep_chunk_states:
-            entering.append((C, n, m))
-        qc, kc, vc, ic = q[:, :, c:c + L], k[:, :, c:c + L], v[:, :, c:c + L], i[:, :, c:c + L]
-        b = logf[:, :, c:c + L].cumsum(-1)                                   # [B,H,L]
-        logD = (b[..., :, None] - b[..., None, :] + ic[..., None, :]).masked_fill(~causal, float("-inf"))
-        inter = b + m[..., None]                                             # log weight of the state
-        m_t = torch.maximum(inter, logD.amax(-1))                            # [B,H,L]
-        w_inter = torch.exp(inter - m_t)
-        Dm = torch.exp(logD - m_t[..., None])                                # [B,H,L,L]
-        Cqk = (qc @ kc.transpose(-1, -2)) * Dm
-        num = w_inter[..., None] * (qc @ C) + Cqk @ vc
-        den = w_inter * (qc @ n[..., None]).squeeze(-1) + Cqk.sum(-1)
-        hs.append(num / (torch.maximum(den.abs(), torch.exp(-m_t)) + eps)[..., None])
-        if keep_chunk_states:
-            rows.append(torch.stack((den, m_t), dim=2))                      # [B,H,2,L]
-        g = b[..., -1]                                                       # whole-chunk log forget
-        log_w = g[..., None] - b + ic                                        # [B,H,L]
-        m_new = torch.maximum(g + m, log_w.amax(-1))
-        decay, w = torch.exp(g + m - m_new), torch.exp(log_w - m_new[..., None])
-        C = decay[..., None, None] * C + (kc * w[..., None]).transpose(-1, -2) @ vc
-        n = decay[..., None] * n + (kc * w[..., None]).sum(-2)
-        m = m_new
-    h = torch.cat(hs, dim=2)[:, :, :S]
-    if keep_chunk_states:
-        Cs, ns, ms = (torch.stack(t, dim=2) for t in zip(*entering))
-        return h.to(out_dtype), C, n, m, Cs.to(out_dtype), ns, ms, torch.cat(rows, dim=3)[..., :S].contiguous()
-    return h.to(out_dtype), C, n, m
+    return q, k, v, i, logf
+
+
+def chunk_step(qc: Tensor, kc: Tensor, vc: Tensor, ic: Tensor, logfc: Tensor, C: Tensor, n: Tensor, m: Tensor,
+               eps: float) -> tuple[Tensor, ...]:
+    """One chunk of the scan (k already scaled, logf = logsigmoid(f), compute dtype): the chunk's
+    h from its positions in parallel plus the entering state, then the state leaving it.
+    (h_c [B,H,L,DV], C, n, m, den [B,H,L], m_t [B,H,L]). Also the Scan body of the ONNX function."""
+    L = qc.shape[-2]
+    causal = torch.ones(L, L, dtype=torch.bool, device=qc.device).tril()
+    b = logfc.cumsum(-1)                                                     # [B,H,L]
+    logD = (b[..., :, None] - b[..., None, :] + ic[..., None, :]).masked_fill(~causal, float("-inf"))
+    inter = b + m[..., None]                                                 # log weight of the state
+    m_t = torch.maximum(inter, logD.amax(-1))                                # [B,H,L]
+    w_inter = torch.exp(inter - m_t)
+    Dm = torch.exp(logD - m_t[..., None])                                    # [B,H,L,L]
+    Cqk = (qc @ kc.transpose(-1, -2)) * Dm
+    num = w_inter[..., None] * (qc @ C) + Cqk @ vc
+    den = w_inter * (qc @ n[..., None]).squeeze(-1) + Cqk.sum(-1)
+    h_c = num / (torch.maximum(den.abs(), torch.exp(-m_t)) + eps)[..., None]
+    g = b[..., -1]                                                           # whole-chunk log forget
+    log_w = g[..., None] - b + ic                                            # [B,H,L]
+    m_new = torch.maximum(g + m, log_w.amax(-1))
+    decay, w = torch.exp(g + m - m_new), torch.exp(log_w - m_new[..., None])
+    C = decay[..., None, None] * C + (kc * w[..., None]).transpose(-1, -2) @ vc
+    n = decay[..., None] * n + (kc * w[..., None]).sum(-2)
+    return h_c, C, n, m_new, den, m_t
 
 
 def chunk_states_shapes(q: Tensor, v: Tensor, chunk_size: int) -> list[tuple[tuple[int, ...], torch.dtype]]:

@@ -1,0 +1,87 @@
+"""ONNX export of the mLSTM family: xaccel.mlstm is one `xaccel` node whose FunctionProto is the
+reference's chunkwise form (reference.prepared, then a Scan over chunks whose body is
+reference.chunk_step, exported by torch.onnx), so memory stays linear in S; xaccel.mlstm_step's
+body is reference.step. Checked in a fresh process, run by a stock onnxruntime at other batch and
+sequence sizes (S not a multiple of the chunk, S below it), equal to PyTorch within 1e-5 (fp32),
+with and without initial states; the demo's block and the xlstm package's xLSTMLarge fuse as in a
+compile."""
+import pytest
+import torch
+
+import torch_xaccel
+from tests.helpers import onnx_checked_in_a_fresh_process, onnxruntime_outputs, rel_err
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+xonnx = pytest.importorskip("torch_xaccel.onnx")
+
+
+class OpModule(torch.nn.Module):
+    def __init__(self, states: bool):
+        super().__init__()
+        self.states = states
+
+    def forward(self, q, k, v, i, f, C0, n0, m0):
+        states = (C0, n0, m0) if self.states else (None, None, None)
+        return torch.ops.xaccel.mlstm(q, k, v, i, f, *states, 1e-6, 16)
+
+
+def _inputs(B, S, H=2, DK=8, DV=4):
+    return (torch.randn(B, H, S, DK), torch.randn(B, H, S, DK), torch.randn(B, H, S, DV), torch.randn(B, H, S),
+            torch.randn(B, H, S) + 2, torch.randn(B, H, DK, DV), torch.randn(B, H, DK).abs(), torch.randn(B, H))
+
+
+@pytest.mark.parametrize("states", [False, True])
+def test_op_exports_as_one_chunkwise_node_and_matches_at_other_sizes(tmp_path, states):
+    torch.manual_seed(0)
+    model, path = OpModule(states).eval(), tmp_path / "mlstm.onnx"
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
+    dyn = ({0: batch, 2: seq},) * 5 + ({0: batch},) * 3
+    res = xonnx.export(model, _inputs(2, 20), path, dynamic_shapes=dyn, report=False)
+    assert res.xaccel_nodes == {"mlstm": 1}
+    scan = [n for f in res.model.functions for n in f.node if n.op_type == "Scan"]
+    assert len(scan) == 1  # the chunk loop is a Scan, not unrolled
+    onnx_checked_in_a_fresh_process(path)
+    for B, S in ((3, 33), (1, 7)):
+        inputs = _inputs(B, S)
+        with torch.no_grad():
+            want = model(*inputs)
+        for g, w in zip(onnxruntime_outputs(path, *inputs), want):
+            assert g.shape == w.shape and rel_err(g, w) <= 1e-5, (B, S, rel_err(g, w))
+
+
+def test_step_exports_as_one_node(tmp_path):
+    class Step(torch.nn.Module):
+        def forward(self, q, k, v, i, f, C, n, m):
+            return torch.ops.xaccel.mlstm_step(q, k, v, i, f, C, n, m, 1e-6, True)
+
+    def inputs(B, H=2, DK=8, DV=4):
+        return (torch.randn(B, H, DK), torch.randn(B, H, DK), torch.randn(B, H, DV), torch.randn(B, H),
+                torch.randn(B, H), torch.randn(B, H, DK, DV), torch.randn(B, H, DK), torch.randn(B, H))
+    torch.manual_seed(0)
+    path = tmp_path / "step.onnx"
+    res = xonnx.export(Step(), inputs(2), path, dynamic_shapes=({0: torch.export.Dim("batch")},) * 8, report=False)
+    assert res.xaccel_nodes == {"mlstm_step": 1}
+    onnx_checked_in_a_fresh_process(path)
+    for B in (1, 5):
+        x = inputs(B)
+        with torch.no_grad():
+            want = Step()(*x)
+        for g, w in zip(onnxruntime_outputs(path, *x), want):
+            assert rel_err(g, w) <= 1e-5
+
+
+def test_xlstm_large_native_fuses_as_in_a_compile(tmp_path):
+    """The xlstm package's xLSTMLarge (native kernels, inference): Dynamo's trace substitutes its
+    chunkwise mLSTM as in a compile, so the export has one mlstm node per block."""
+    from tests.mlstm.test_xlstm_package import _model
+
+    model, tokens = _model(), torch.randint(0, 97, (2, 32))
+    res = xonnx.export(model, (tokens,), tmp_path / "xl.onnx", report=False)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = model(tokens)
+        torch.compile(model, backend="xaccel")(tokens)
+    assert res.xaccel_nodes["mlstm"] == torch_xaccel.last_report(1).counts()["mlstm"] == 2
+    onnx_checked_in_a_fresh_process(tmp_path / "xl.onnx")
+    assert rel_err(onnxruntime_outputs(tmp_path / "xl.onnx", tokens)[0], want) <= 1e-5
