@@ -85,3 +85,35 @@ def test_xlstm_large_native_fuses_as_in_a_compile(tmp_path):
     assert res.xaccel_nodes["mlstm"] == torch_xaccel.last_report(1).counts()["mlstm"] == 2
     onnx_checked_in_a_fresh_process(tmp_path / "xl.onnx")
     assert rel_err(onnxruntime_outputs(tmp_path / "xl.onnx", tokens)[0], want) <= 1e-5
+
+
+def test_transformers_xlstm_for_causal_lm_fuses_as_in_a_compile(tmp_path):
+    """transformers' xLSTMForCausalLM (random weights, small config): the export's xaccel nodes
+    equal the compile's counts, and one export with a dynamic batch runs at two batch sizes. (Its
+    chunk padding guards the sequence length: a dynamic S fails inside torch.export.)"""
+    transformers = pytest.importorskip("transformers")
+
+    class Logits(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, tokens):
+            return self.m(tokens).logits
+
+    cfg = transformers.xLSTMConfig(vocab_size=97, hidden_size=64, num_heads=2, num_blocks=2, qk_dim_factor=0.5,
+                                   v_dim_factor=1.0, chunk_size=16, mode="inference", use_cache=False)
+    torch.manual_seed(0)
+    model, tokens = Logits(transformers.xLSTMForCausalLM(cfg)).eval(), torch.randint(0, 97, (2, 32))
+    path = tmp_path / "hf.onnx"
+    res = xonnx.export(model, (tokens,), path, dynamic_shapes=({0: torch.export.Dim("batch")},), report=False)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend="xaccel")(tokens)
+    compiled = torch_xaccel.last_report(1).counts()
+    assert res.xaccel_nodes == {k: n for k, n in compiled.items() if n} and res.xaccel_nodes["mlstm"] == 2
+    for B in (1, 3):
+        t = torch.randint(0, 97, (B, 32))
+        with torch.no_grad():
+            want = model(t)
+        assert rel_err(onnxruntime_outputs(path, t)[0], want) <= 1e-5
