@@ -59,9 +59,8 @@ def _row(name, model, tokens, reps, directory):
     ort = _median_ms(lambda: session.run(None, feed), reps)
     got = torch.from_numpy(session.run(None, feed)[0])
     err = ((got - want).norm() / want.norm()).item()
-    nodes = ", ".join(f"{k}={v}" for k, v in sorted(res.xaccel_nodes.items()))
     print(f"| {name} | {list(tokens.shape)} | {eager:.2f} | {ort:.2f} | {ort / eager:.2f} | "
-          f"{os.path.getsize(path) / 1e6:.2f} | {export_s:.1f} | {nodes} | {err:.1e} |", flush=True)
+          f"{os.path.getsize(path) / 1e6:.2f} | {export_s:.1f} | {res.nodes()} | {err:.1e} |", flush=True)
 
 
 def main() -> None:

@@ -155,8 +155,7 @@ def _supported(q, k, v, S, phase: str) -> bool:
     DK, DV = q.shape[-1], v.shape[-1]
     if q.dtype == torch.bfloat16 and interpreting():
         return False  # Triton's interpreter computes bf16 dots wrongly: the reference runs
-    if not (q.dtype in configs.DTYPES and DK in configs.HEAD_DIMS and DV in configs.HEAD_DIMS and S > 0
-            and all(t.dtype == q.dtype for t in (k, v)) and max(q.numel(), v.numel()) < INT32_LIMIT):
+    if _uncovered(q.dtype, k.dtype, v.dtype, DK, DV) or not (S > 0 and max(q.numel(), v.numel()) < INT32_LIMIT):
         return False  # (int32 offsets: larger tensors run the reference)
     return interpreting() or configs.any_config_fits(phase, DK, DV, q.element_size())
 
@@ -169,11 +168,19 @@ def why_not(q, k, v) -> str | None:
     return why_not_on_cuda(q.dtype, k.dtype, v.dtype, q.shape[-1], v.shape[-1])
 
 
-def why_not_on_cuda(q_dtype, k_dtype, v_dtype, DK: int, DV: int) -> str | None:
+def _uncovered(q_dtype, k_dtype, v_dtype, DK: int, DV: int) -> str | None:
+    """Why the templates do not cover these dtypes and head dims (None: they do)."""
     if q_dtype not in configs.DTYPES or k_dtype != q_dtype or v_dtype != q_dtype:
         return f"no mLSTM kernel for {q_dtype} / {k_dtype} / {v_dtype}"
     if DK not in configs.HEAD_DIMS or DV not in configs.HEAD_DIMS:
         return f"no mLSTM kernel for head dims {DK}/{DV} (the kernels take {', '.join(map(str, configs.HEAD_DIMS))})"
+    return None
+
+
+def why_not_on_cuda(q_dtype, k_dtype, v_dtype, DK: int, DV: int) -> str | None:
+    uncovered = _uncovered(q_dtype, k_dtype, v_dtype, DK, DV)
+    if uncovered:
+        return uncovered
     if not configs.any_config_fits("fwd", DK, DV, q_dtype.itemsize):
         return f"no mLSTM kernel configuration fits head dims {DK}/{DV} in {q_dtype}"
     return None

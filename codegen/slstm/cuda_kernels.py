@@ -52,7 +52,7 @@ def render(kernel: str, D: int, NH: int, cfg: dict, dtype: torch.dtype, fresh: s
     """(kernel name, source) of the forward ("forward") or backward ("backward") specialised to
     these constants. save: the forward also writes what the backward reads."""
     values = dict(D=D, NH=NH, BT=configs.BT, dtype=str(dtype).removeprefix("torch."), fresh=fresh,
-                  clamp_gates=clamp_gates, clamp_n=clamp_n, save=save, **cfg)
+                  clamp_gates=clamp_gates, clamp_n=clamp_n, save=save, share_bytes=configs.share_bytes(dtype), **cfg)
     tag = hashlib.sha256(repr(sorted(values.items())).encode() + TEMPLATES.digest.encode()).hexdigest()[:16]
     name = f"xaccel_slstm_{kernel}_{tag}"
     return name, TEMPLATES.render(f"slstm_{kernel}.cu.jinja", name=name, **values)

@@ -26,9 +26,12 @@ class ExportResult:
     report: Report  # what became xaccel nodes, what stayed standard ONNX and why
     xaccel_nodes: dict[str, int] = field(default_factory=dict)  # op -> its nodes in the graph
 
+    def nodes(self) -> str:
+        """The xaccel node counts as one line: "gemm_epilogue=12, slstm=2" ("none")."""
+        return ", ".join(f"{k}={v}" for k, v in sorted(self.xaccel_nodes.items())) or "none"
+
     def __str__(self) -> str:
-        nodes = ", ".join(f"{k}={v}" for k, v in sorted(self.xaccel_nodes.items())) or "none"
-        return f"ONNX export{' to ' + self.path if self.path else ''}: xaccel nodes {nodes}\n{self.report}"
+        return f"ONNX export{' to ' + self.path if self.path else ''}: xaccel nodes {self.nodes()}\n{self.report}"
 
 
 def _exportable_patterns(cfg) -> tuple[set[str], list[str]]:

@@ -167,6 +167,14 @@ TORCH_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.DOUBLE: "flo
                 onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16"}
 
 
+def torch_dtype(elem_type: int | None):
+    """The torch dtype of an ONNX float element type (None for others)."""
+    import torch
+
+    name = TORCH_DTYPES.get(elem_type)
+    return getattr(torch, name) if name else None
+
+
 def examples(call, positions) -> tuple[tuple, tuple]:
     """(example tensors, torch.export dynamic shapes) for the inputs at `positions`, from the
     node's types: every symbolic dim an export Dim (one per symbol name, so that equal sizes stay
@@ -190,14 +198,15 @@ def examples(call, positions) -> tuple[tuple, tuple]:
                 dynamic[axis] = dims[d]
             else:
                 concrete.append(d)
-        tensors.append(torch.randn(*concrete, dtype=getattr(torch, TORCH_DTYPES[elem])))
+        tensors.append(torch.randn(*concrete, dtype=torch_dtype(elem)))
         shapes.append(dynamic or None)
     return tuple(tensors), tuple(shapes)
 
 
-def function_of(graph: onnx.GraphProto, inputs: list[str], outputs: list[str], prefix: str) -> onnx.FunctionProto:
-    """A function whose inputs are `graph`'s inputs in order (renamed `inputs`) and whose outputs
-    are its outputs (renamed `outputs`)."""
+def function_of(graph: onnx.GraphProto, inputs: list[str], outputs: list[str], prefix: str,
+                order: list[str] | None = None) -> onnx.FunctionProto:
+    """A function of `graph`: its inputs renamed `inputs` (in the graph's order), declared in
+    `order` (default: that order, the node's); its first len(outputs) outputs renamed `outputs`."""
     body = renamed_graph(graph, prefix, dict(zip([v.name for v in graph.input], inputs)))
     nodes = list(body.node) + [helper.make_node("Identity", [v.name], [o]) for v, o in zip(body.output, outputs)]
-    return helper.make_function("xaccel", "body", inputs, outputs, nodes, [])
+    return helper.make_function("xaccel", "body", order or inputs, outputs, nodes, [])

@@ -15,8 +15,6 @@ from onnx import TensorProto, helper
 
 from . import reference
 
-_TORCH_DTYPES = {TensorProto.FLOAT: torch.float32, TensorProto.DOUBLE: torch.float64,
-                 TensorProto.FLOAT16: torch.float16, TensorProto.BFLOAT16: torch.bfloat16}
 _STATE_NAMES = ("h", "c", "n", "m")
 
 
@@ -34,7 +32,9 @@ class _Step(torch.nn.Module):
 def _step_graph(fresh: str, clamp_gates: bool, clamp_n: bool, elem_type: int, opset: int) -> onnx.GraphProto:
     """reference.step as an ONNX graph: inputs h, c, n, m (compute dtype), Wx_t, R, b; outputs
     h', c', n', m' and h' in Wx_t's dtype."""
-    dtype = _TORCH_DTYPES.get(elem_type)
+    from torch_xaccel.onnx.functions import reference_graph, torch_dtype
+
+    dtype = torch_dtype(elem_type)
     if dtype is None:
         raise ValueError(f"xaccel::slstm: no ONNX body for element type {TensorProto.DataType.Name(elem_type)}")
     cd = reference.compute_dtype(torch.empty(0, dtype=dtype))
@@ -46,8 +46,6 @@ def _step_graph(fresh: str, clamp_gates: bool, clamp_n: bool, elem_type: int, op
     state = {0: batch, 1: heads, 2: units}
     shapes = (state, state, state, state, {0: batch, 2: heads, 3: units}, {0: heads, 2: units, 3: units},
               {1: heads, 2: units})
-    from torch_xaccel.onnx.functions import reference_graph
-
     return reference_graph(_Step(fresh, bool(clamp_gates), bool(clamp_n)).eval(), example, shapes, opset)
 
 
@@ -59,17 +57,11 @@ def _variant(call) -> tuple:
 
 def slstm_step_function(call) -> onnx.FunctionProto:
     """xaccel::slstm_step(Wx, R, b, h, c, n, m) -> (h', c', n', m'): the step graph itself."""
-    from torch_xaccel.onnx.functions import renamed_graph
+    from torch_xaccel.onnx.functions import function_of
 
-    graph = _step_graph(*_variant(call), call.elem_types[0], call.opset)
-    names = ["Wx", "R", "b", *_STATE_NAMES]
-    inner = [v.name for v in graph.input]  # h, c, n, m, Wx_t, R, b
-    outer = dict(zip(inner, ["h", "c", "n", "m", "Wx", "R", "b"]))
-    body = renamed_graph(graph, "step_", outer)
-    outputs = ["h_out", "c_out", "n_out", "m_out"]
-    nodes = list(body.node) + [helper.make_node("Identity", [v.name], [o])
-                               for v, o in zip(body.output[:4], outputs)]
-    return helper.make_function("xaccel", "slstm_step", names, outputs, nodes, [])
+    graph = _step_graph(*_variant(call), call.elem_types[0], call.opset)  # inputs h, c, n, m, Wx_t, R, b
+    return function_of(graph, [*_STATE_NAMES, "Wx", "R", "b"], ["h_out", "c_out", "n_out", "m_out"], "step_",
+                       order=["Wx", "R", "b", *_STATE_NAMES])
 
 
 def slstm_function(call) -> onnx.FunctionProto:
