@@ -304,8 +304,8 @@ def run_mlstm_case(case: Case) -> list:
 
 
 def slstm_seq(B, T, NH, D):
-    """The sLSTM over a sequence (pre-activations given): the persistent cluster kernel beside
-    FlashRNN's kernels and the eager loop of the same math."""
+    """The sLSTM over a sequence (pre-activations given): the persistent kernel beside FlashRNN's
+    kernels and the eager loop of the same math."""
     def make():
         g = torch.Generator(device="cuda").manual_seed(0)
         Wx = torch.randn(B, T, 4, NH, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -343,7 +343,8 @@ def run_slstm_case(case: Case) -> list:
     from torch_xaccel.codegen.slstm import cuda_kernels
 
     declined = cuda_kernels.why_not(Wx, R, b)
-    path = "xaccel (CUDA cluster kernel) fwd" if declined is None else f"xaccel fwd: ATen reference ({declined})"
+    kernel = None if declined else f"CUDA {cuda_kernels.plan(Wx)[0]}-exchange kernel"
+    path = f"xaccel ({kernel}) fwd" if kernel else f"xaccel fwd: ATen reference ({declined})"
     add(path, _bench(op, False), f"rel err vs fp32 reference (B2 T64) {err:.1e}")
     leaves = [t.detach().requires_grad_() for t in (Wx, R, b)]
 
@@ -352,7 +353,7 @@ def run_slstm_case(case: Case) -> list:
             y = op(*leaves, None, None, None, None, *variant)[0]
             y.backward(torch.ones_like(y))
         return run
-    bwd = "CUDA cluster kernel" if cuda_kernels.backward_reads_kept_states(Wx, R) else "ATen reference"
+    bwd = kernel if cuda_kernels.backward_reads_kept_states(Wx, R) else "ATen reference"
     add(f"xaccel fwd+bwd ({bwd} backward)", _bench(fwd_bwd(torch.ops.xaccel.slstm_saving), True, leaves),
         "xaccel::slstm_saving, what training graphs run")
     add("xaccel fwd+bwd, forward rerun in the backward", _bench(fwd_bwd(torch.ops.xaccel.slstm), True, leaves),
@@ -680,7 +681,7 @@ SUITES = {
                             mlstm_decode(1), mlstm_decode(8)],
     "slstm": lambda quick: [slstm_seq(16, 256 if quick else 1024, 4, 192),
                             slstm_seq(16, 256 if quick else 1024, 1, 768),
-                            slstm_seq(16, 1024, 8, 128), slstm_seq(64, 1024, 4, 192),
+                            slstm_seq(16, 1024, 8, 128), slstm_seq(64, 1024, 4, 192), slstm_seq(64, 1024, 1, 768),
                             slstm_decode(1), slstm_decode(8),
                             slstm_model(768, 8, (7,), 16, 256 if quick else 1024),
                             slstm_model(768, 4, (0, 1, 2, 3), 16, 256 if quick else 1024)],

@@ -1,11 +1,18 @@
-"""The sLSTM cluster kernels' configurations: how a head's units split over the CTAs of one
-thread-block cluster (C), how the CTA's warps share its slice of R, and how deep the input ring is.
+"""The sLSTM sequence kernels' configurations: how a head's units split over C CTAs, how the CTAs
+exchange h (`exchange`), how each CTA's warps share its slice of R, and how deep the input ring is.
+
+Two exchanges: "cluster" (the C CTAs of a head form one thread-block cluster, sm_90: h goes
+through distributed shared memory) and "global" (the C CTAs form a group of a cooperative grid:
+h goes through L2 with one counter per group; heads wider than one cluster holds, and GPUs
+without clusters). A global configuration also needs every CTA of the launch resident at once,
+one per SM: `max_group` bounds C by the SMs over the launch's groups.
 
 A CTA owns U = D / C units (all four gates): its R slice is [4U, D], kept as MMA B fragments
 (4U / 8 n-tiles x D / 16 k-steps, two 32-bit registers each). Its NW warps form KSPLIT groups
 along D (shorter dependent MMA chains, partial sums added in shared memory) of NW / KSPLIT warps
 along the outputs. A configuration fits when each thread holds at most MAX_R_REGISTERS of R and
-the static shared memory (h double buffer, partial sums, input ring) stays within 48 KB."""
+the shared memory stays within its limit (cluster: static, h double buffer + partial sums + input
+ring within 48 KB; global: dynamic, one h buffer)."""
 from __future__ import annotations
 
 import torch
@@ -13,10 +20,12 @@ import torch
 DTYPES = (torch.bfloat16, torch.float16)
 BT = 16  # batch rows per cluster: one MMA row tile
 CLUSTER_SIZES = (1, 2, 4, 8)  # portable cluster sizes
-KSPLITS = (1, 2)
+GROUP_SIZES = (4, 8, 12, 16, 24, 32, 48, 64, 96)  # CTAs per head in the global exchange
+KSPLITS = {"cluster": (1, 2), "global": (1, 2, 4)}
 MAX_WARPS = 16
 MAX_R_REGISTERS = 96
 STATIC_SHARED = 48 * 1024
+MAX_DYNAMIC_SHARED = 200 * 1024
 RING_WORDS = {"fwd": 4, "bwd": 15}  # 32-bit words per slot and step each kernel streams in
 
 
@@ -24,14 +33,15 @@ def _slots_per_thread(U: int, NW: int) -> int:
     return -(-(BT * U // 2) // (NW * 32))
 
 
-def shared_bytes(D: int, U: int, NW: int, KSPLIT: int, STAGES: int, kernel: str = "fwd") -> int:
-    h_buffers = 2 * BT * (D + 8) * 2
+def shared_bytes(D: int, U: int, NW: int, KSPLIT: int, STAGES: int, kernel: str = "fwd",
+                 exchange: str = "cluster") -> int:
+    h_buffers = (2 if exchange == "cluster" else 1) * BT * (D + 8) * 2
     partials = KSPLIT * BT * (4 * U + 4) * 4
     ring = STAGES * RING_WORDS[kernel] * _slots_per_thread(U, NW) * NW * 32 * 4
     return h_buffers + partials + ring
 
 
-def _configs(D: int, C: int, KSPLIT: int) -> list[dict]:
+def _configs(D: int, C: int, KSPLIT: int, exchange: str) -> list[dict]:
     """Up to two warp layouts for (C, KSPLIT): the fewest warps whose R share fits the registers,
     and eight or more warps along the outputs when that divides (more threads for the pointwise)."""
     if D % C or D % 16:
@@ -43,28 +53,48 @@ def _configs(D: int, C: int, KSPLIT: int) -> list[dict]:
     fits = [nwn for nwn in (1, 2, 4, 8, 16) if n_tiles % nwn == 0 and 4 <= nwn * KSPLIT <= MAX_WARPS
             and k_steps * (n_tiles // nwn) * 2 <= MAX_R_REGISTERS]
     picked = sorted({fits[0], *[nwn for nwn in fits if nwn * KSPLIT >= 8][:1]}) if fits else []
+    limit = STATIC_SHARED if exchange == "cluster" else MAX_DYNAMIC_SHARED
     out = []
     for nwn in picked:
         NW = nwn * KSPLIT
-        stages = next((s for s in (8, 6, 4, 3, 2) if shared_bytes(D, U, NW, KSPLIT, s) <= STATIC_SHARED), None)
+        stages = next((s for s in (8, 6, 4, 3, 2) if shared_bytes(D, U, NW, KSPLIT, s, "fwd", exchange) <= limit),
+                      None)
         if stages:
-            out.append({"C": C, "U": U, "NW": NW, "NTW": n_tiles // nwn, "KSPLIT": KSPLIT, "STAGES": stages})
+            out.append({"C": C, "U": U, "NW": NW, "NTW": n_tiles // nwn, "KSPLIT": KSPLIT, "STAGES": stages,
+                        "exchange": exchange})
     return out
 
 
-def candidates(D: int) -> list[dict]:
-    """Every configuration that fits a head of D units, fewest CTAs per cluster first."""
-    return [cfg for C in CLUSTER_SIZES for k in KSPLITS for cfg in _configs(D, C, k)]
+def _sizes(exchange: str, max_group: int | None) -> tuple[int, ...]:
+    sizes = CLUSTER_SIZES if exchange == "cluster" else GROUP_SIZES
+    return tuple(C for C in sizes if max_group is None or C <= max_group)
 
 
-def default(D: int) -> dict | None:
-    """The untimed choice: the largest cluster (the least MMA work per CTA and step, which is the
-    step's critical path next to the exchange), its shorter MMA chains."""
-    cands = candidates(D)
+def candidates(D: int, exchange: str = "cluster", max_group: int | None = None) -> list[dict]:
+    """Every configuration that fits a head of D units, fewest CTAs per head first; for the global
+    exchange one per group size (the shortest MMA chains, the most warps), which keeps tuning short."""
+    per_size = [[cfg for k in KSPLITS[exchange] for cfg in _configs(D, C, k, exchange)]
+                for C in _sizes(exchange, max_group)]
+    if exchange == "global":
+        return [max(cfgs, key=lambda c: (c["KSPLIT"], c["NW"])) for cfgs in per_size if cfgs]
+    return [cfg for cfgs in per_size for cfg in cfgs]
+
+
+def default(D: int, exchange: str = "cluster", max_group: int | None = None) -> dict | None:
+    """The untimed choice: the most CTAs per head (the least MMA work per CTA and step, which is the
+    step's critical path next to the exchange), their shorter MMA chains."""
+    cands = candidates(D, exchange, max_group)
     if not cands:
         return None
     largest = max(c["C"] for c in cands)
     return max((c for c in cands if c["C"] == largest), key=lambda c: (c["KSPLIT"], c["NW"]))
+
+
+def forward_shared_bytes(D: int, cfg: dict) -> int:
+    """The dynamic shared memory a forward launch asks for (the cluster kernel's is static)."""
+    if cfg["exchange"] == "cluster":
+        return 0
+    return shared_bytes(D, cfg["U"], cfg["NW"], cfg["KSPLIT"], cfg["STAGES"], "fwd", "global")
 
 
 # ---- the backward kernel ------------------------------------------------------------------------
@@ -72,7 +102,6 @@ def default(D: int) -> dict | None:
 # warps along D (NTW n-tiles each); its dynamic shared memory holds the double-buffered shares of dh
 # [2, C, BT, U] (bf16 for bf16 inputs, else fp32: the template says why), the double-buffered staged
 # gate gradients [2, BT, 4U + 8] and the input ring.
-MAX_DYNAMIC_SHARED = 200 * 1024
 BACKWARD_WARPS = (4, 8, 12, 16)
 
 
@@ -88,9 +117,9 @@ def backward_shared_bytes(D: int, U: int, NW: int, STAGES: int, share: int = 4) 
         STAGES * RING_WORDS["bwd"] * _slots_per_thread(U, NW) * NW * 32 * 4
 
 
-def backward_candidates(D: int) -> list[dict]:
+def backward_candidates(D: int, exchange: str = "cluster", max_group: int | None = None) -> list[dict]:
     out = []
-    for C in CLUSTER_SIZES:
+    for C in _sizes(exchange, max_group):
         if D % C or (D // C) % 8:
             continue
         U, k_steps, n_tiles = D // C, 4 * (D // C) // 16, D // 8
@@ -99,13 +128,13 @@ def backward_candidates(D: int) -> list[dict]:
                 continue
             stages = next((s for s in (6, 4, 3, 2) if backward_shared_bytes(D, U, NW, s) <= MAX_DYNAMIC_SHARED), None)
             if stages:
-                out.append({"C": C, "U": U, "NW": NW, "NTW": n_tiles // NW, "STAGES": stages})
+                out.append({"C": C, "U": U, "NW": NW, "NTW": n_tiles // NW, "STAGES": stages, "exchange": exchange})
     return out
 
 
-def backward_default(D: int) -> dict | None:
-    """The largest cluster, eight warps where possible (the forward's measured preference)."""
-    cands = backward_candidates(D)
+def backward_default(D: int, exchange: str = "cluster", max_group: int | None = None) -> dict | None:
+    """The most CTAs per head, eight warps where possible (the forward's measured preference)."""
+    cands = backward_candidates(D, exchange, max_group)
     if not cands:
         return None
     largest = max(c["C"] for c in cands)

@@ -1,9 +1,11 @@
-"""The sLSTM forward as one persistent CUDA kernel on Hopper thread-block clusters: rendered from
-templates/slstm_forward.cu.jinja (device helpers in csrc/slstm/), built with NVRTC through
-cuda-python's cuda.core, cached as a cubin under XACCEL_CACHE_DIR/slstm/, launched on torch's
-current stream. Cases it does not cover return NotImplemented (the runtime then runs the next
-provider or the reference); a failed build or launch raises, and the runtime reports it and falls
-back."""
+"""The sLSTM sequence as one persistent CUDA kernel (forward, and a reverse-time backward): rendered
+from templates/slstm_{forward,backward}.cu.jinja (device helpers in csrc/slstm/), built with NVRTC
+through cuda-python's cuda.core, cached as a cubin under XACCEL_CACHE_DIR/slstm/, launched on
+torch's current stream. A head runs on one Hopper thread-block cluster where its R fits one
+(exchange "cluster"), else on a group of CTAs of a cooperative grid that exchange h through L2
+(exchange "global": wider heads, and GPUs without clusters). Cases neither covers return
+NotImplemented (the runtime then runs the next provider or the reference); a failed build or
+launch raises, and the runtime reports it and falls back."""
 from __future__ import annotations
 
 import functools
@@ -35,11 +37,11 @@ def _cuda_core():
 
 
 def available() -> str | None:
-    """None when the kernel can run here, else why not."""
+    """None when a kernel can run here, else why not."""
     if not torch.cuda.is_available():
         return "no CUDA device"
-    if torch.cuda.get_device_capability() < (9, 0):
-        return "thread-block clusters need sm_90 or newer"
+    if torch.cuda.get_device_capability() < (8, 0):
+        return "the kernels need sm_80 or newer (bf16 tensor-core MMA, cp.async)"
     try:
         _cuda_core()
     except ImportError as e:
@@ -102,19 +104,66 @@ def _ptr(t) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+def _groups(Wx) -> int:
+    """(head, batch tile) pairs: one cluster or grid group each."""
+    return Wx.shape[3] * math.ceil(Wx.shape[0] / configs.BT)
+
+
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plan(Wx) -> tuple[str, int | None] | str:
+    """(exchange, max_group) of this case's kernels, or why none runs (for the report). Clusters
+    where the head fits one (sm_90); else a cooperative grid of one CTA per SM: max_group is how
+    many CTAs each (head, batch tile) group may have."""
+    D = Wx.shape[-1]
+    if torch.cuda.get_device_capability(Wx.device) >= (9, 0) and configs.default(D) is not None:
+        return "cluster", None
+    groups, sms = _groups(Wx), _sm_count(Wx.device)
+    if configs.default(D, "global", sms // groups) is not None:
+        return "global", sms // groups
+    return (f"head dim {D} at B{Wx.shape[0]} NH{Wx.shape[3]}: R fits neither one cluster nor {groups} group(s) of "
+            f"CTAs, one per SM, on the {sms} SMs")
+
+
+def _launch_config(cc, blocks: int, threads: int, shared: int, cooperative: bool):
+    """cuda.core's LaunchConfig; cooperative (every CTA resident at once, or the launch fails) is
+    `is_cooperative` in recent releases, `cooperative_launch` in older ones."""
+    if not cooperative:
+        return cc.LaunchConfig(grid=blocks, block=threads, shmem_size=shared)
+    for flag in ("is_cooperative", "cooperative_launch"):
+        try:
+            return cc.LaunchConfig(grid=blocks, block=threads, shmem_size=shared, **{flag: True})
+        except TypeError:
+            continue
+    raise RuntimeError("this cuda.core cannot launch cooperative kernels (the global exchange needs them)")
+
+
 def _run(kernel_name: str, cfg: dict, Wx, fresh, clamp_gates, clamp_n, save, *args, shared: int = 0) -> None:
     """Launch one kernel: Python ints pass as 64-bit values (addresses, strides), _int() as int.
     shared: dynamic shared memory bytes."""
-    B, _, _, NH, D = Wx.shape
+    _, _, _, NH, D = Wx.shape
     name, source = render(kernel_name, D, NH, cfg, Wx.dtype, fresh, clamp_gates, clamp_n, save)
     device = Wx.device.index or 0
     kernel = _kernel(name, source, _arch(Wx.device), device)
     if shared:
         _allow_shared(kernel, shared, device)
     cc = _cuda_core()
-    blocks = NH * math.ceil(B / configs.BT) * cfg["C"]
-    cc.launch(_stream(cc, device), cc.LaunchConfig(grid=blocks, block=cfg["NW"] * 32, shmem_size=shared), kernel,
-              *args)
+    blocks = _groups(Wx) * cfg["C"]
+    config = _launch_config(cc, blocks, cfg["NW"] * 32, shared, cfg["exchange"] == "global")
+    cc.launch(_stream(cc, device), config, kernel, *args)
+
+
+def _exchange_buffers(Wx, cfg: dict, nbytes_per_group: int) -> tuple:
+    """The global exchange's buffers (none for clusters): the exchanged data and one step counter
+    per group, zeroed (a counter only grows within one launch)."""
+    if cfg["exchange"] != "global":
+        return ()
+    groups = _groups(Wx)
+    data = torch.empty(groups * nbytes_per_group, dtype=torch.uint8, device=Wx.device)
+    counters = torch.zeros(groups, dtype=torch.int32, device=Wx.device)
+    return data, counters
 
 
 _SHARED_SET: dict = {}
@@ -150,10 +199,11 @@ def launch(cfg: dict, Wx, R, b, h0, c0, n0, m0, first_fresh, fresh, clamp_gates,
             out.copy_(s) if s is not None else out.zero_()
         return (y, *finals, *kept) if save else (y, *finals)
     flag = first_fresh if isinstance(first_fresh, torch.Tensor) else None
+    exchange = _exchange_buffers(Wx, cfg, 2 * configs.BT * D * 2)  # h_t double buffered, 16-bit
     _run("forward", cfg, Wx, fresh, clamp_gates, clamp_n, save,
          _ptr(Wx), Wx.stride(0), Wx.stride(1), _ptr(R), _ptr(b), _ptr(h0), _ptr(c0), _ptr(n0), _ptr(m0), _ptr(flag),
          _int(0 if flag is not None else int(first_fresh)), _ptr(y), *(_ptr(f) for f in finals), _ptr(kept[0]),
-         _ptr(kept[1]), _int(B), _int(T))
+         _ptr(kept[1]), _int(B), _int(T), *(_ptr(t) for t in exchange), shared=configs.forward_shared_bytes(D, cfg))
     return (y, *finals, *kept) if save else (y, *finals)
 
 
@@ -164,16 +214,18 @@ def _int(v: int):
 
 
 def _takes(Wx, R, b) -> str | None:
-    """None when the kernel covers the case, else why not (for the report)."""
+    """None when a kernel covers the case, else why not (for the report)."""
     if not Wx.is_cuda:
         return "not a CUDA tensor"
     if Wx.dtype not in configs.DTYPES:
-        return f"{Wx.dtype} (the cluster kernel takes bf16 and fp16)"
+        return f"{Wx.dtype} (the sequence kernels take bf16 and fp16)"
     if R.dtype != Wx.dtype:
         return f"R is {R.dtype}, Wx {Wx.dtype}"
-    if configs.default(Wx.shape[-1]) is None:
-        return f"head dim {Wx.shape[-1]} (R does not fit one cluster's registers)"
-    return available()
+    why = available()
+    if why is not None:
+        return why
+    chosen = plan(Wx)
+    return chosen if isinstance(chosen, str) else None
 
 
 def _aligned(Wx):
@@ -199,8 +251,9 @@ def _first_fresh(fresh, n0):
 
 def _tuned_config(key, Wx, run):
     D = Wx.shape[-1]
-    cands = configs.candidates(D)
-    parts = f"fwd|D{D}|NH{Wx.shape[3]}|B{Wx.shape[0]}|T{min(Wx.shape[1], 256)}|{Wx.dtype}|{key[7:]}"
+    exchange, max_group = plan(Wx)
+    cands = configs.candidates(D, exchange, max_group)
+    parts = f"fwd|D{D}|NH{Wx.shape[3]}|B{Wx.shape[0]}|T{min(Wx.shape[1], 256)}|{Wx.dtype}|{exchange}|{key[7:]}"
     tkey = tuning.key("slstm", parts, Wx.device, TEMPLATES.digest)
 
     def tune():
@@ -214,7 +267,8 @@ def _tuned_config(key, Wx, run):
     def valid(entry):
         return isinstance(entry, dict) and entry.get("config") in cands
 
-    return tuning.decide(tkey, untimed=configs.default(D), valid=valid, tune=tune, memo=_DECISIONS).config
+    return tuning.decide(tkey, untimed=configs.default(D, exchange, max_group), valid=valid, tune=tune,
+                         memo=_DECISIONS).config
 
 
 _DECISIONS: dict = {}
@@ -223,7 +277,7 @@ _DECISIONS: dict = {}
 def forward(key, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n, save=False):
     """Kernel path for xaccel::slstm (save: xaccel::slstm_saving, also writing what the backward
     kernel reads), or NotImplemented where it does not apply."""
-    if _takes(Wx, R, b) is not None or save and configs.backward_default(Wx.shape[-1]) is None:
+    if _takes(Wx, R, b) is not None or save and _backward_config(Wx) is None:
         return NotImplemented
     first_fresh = _first_fresh(fresh, n0)
     if first_fresh is None:
@@ -233,8 +287,23 @@ def forward(key, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n, save=Fal
     cfg = _tuned_config(key, Wx, lambda c: launch(c, short, R, b, *states, first_fresh, fresh, clamp_gates, clamp_n))
     runtime.record_choice(key, "slstm_saving" if save else "slstm",
                           f"B{Wx.shape[0]} T{Wx.shape[1]} NH{Wx.shape[3]} D{Wx.shape[4]}",
-                          f"cuda cluster C{cfg['C']} warps{cfg['NW']}")
+                          _described(cfg))
     return launch(cfg, Wx, R, b, *states, first_fresh, fresh, clamp_gates, clamp_n, save=save)
+
+
+def _described(cfg: dict) -> str:
+    return f"cuda {cfg['exchange']} exchange C{cfg['C']} warps{cfg['NW']}"
+
+
+def _backward_config(Wx) -> dict | None:
+    """The backward's configuration: the forward's exchange, else the global one (both read what
+    either forward keeps)."""
+    chosen = plan(Wx)
+    if isinstance(chosen, str):
+        return None
+    D = Wx.shape[-1]
+    return configs.backward_default(D, *chosen) or configs.backward_default(D, "global", _sm_count(Wx.device)
+                                                                             // _groups(Wx))
 
 
 def forward_saving(key, *args):
@@ -251,8 +320,7 @@ def backward(key, gy, ghT, gcT, gnT, gmT, Wx, R, b, h0, c0, n0, m0, fresh, clamp
     """Kernel path for xaccel::slstm_backward: the reverse-time cluster kernel for dWx and the
     initial states' gradients, then dR and db as reductions of dWx (one GEMM, one sum)."""
     D = Wx.shape[-1]
-    cfg = configs.backward_default(D)
-    if _takes(Wx, R, b) is not None or cfg is None:
+    if _takes(Wx, R, b) is not None or (cfg := _backward_config(Wx)) is None:
         return NotImplemented
     first_fresh = _first_fresh(fresh, n0)
     if first_fresh is None:
@@ -262,22 +330,23 @@ def backward(key, gy, ghT, gcT, gnT, gmT, Wx, R, b, h0, c0, n0, m0, fresh, clamp
     if kept:
         raw, cnm = kept
     else:  # an op called outside a training graph: run the forward again, keeping what the kernel reads
-        fcfg = configs.default(D)
+        fcfg = configs.default(D, *plan(Wx))
         raw, cnm = launch(fcfg, W, Rc, bc, *states, first_fresh, fresh, clamp_gates, clamp_n, save=True)[5:]
     dWx = Wx.new_empty(B, T, 4, NH, D)
     has_state = h0 is not None
     state_grads = [Wx.new_empty(B, NH, D, dtype=torch.float32) for _ in range(4)] if has_state else [None] * 4
     finals = [None if g is None else g.float().contiguous() for g in (ghT, gcT, gnT, gmT)]
     dy = None if gy is None else gy.to(Wx.dtype).contiguous()
-    runtime.record_choice(key, "slstm_backward", f"B{B} T{T} NH{NH} D{D}", f"cuda cluster C{cfg['C']} warps{cfg['NW']}")
+    runtime.record_choice(key, "slstm_backward", f"B{B} T{T} NH{NH} D{D}", _described(cfg))
     if T > 0:
         flag = first_fresh if isinstance(first_fresh, torch.Tensor) else None
+        share = configs.share_bytes(Wx.dtype)
+        exchange = _exchange_buffers(Wx, cfg, 2 * cfg["C"] * configs.BT * D * share)  # [2][owner][sender][BT][U]
         _run("backward", cfg, W, fresh, clamp_gates, clamp_n, False,
              _ptr(raw), _ptr(cnm), _ptr(Rc), *(_ptr(s) for s in states[1:]), _ptr(flag),
              _int(0 if flag is not None else int(first_fresh)), _ptr(dy), *(_ptr(f) for f in finals), _ptr(dWx),
-             *(_ptr(g) for g in state_grads), _int(B), _int(T),
-             shared=configs.backward_shared_bytes(D, cfg["U"], cfg["NW"], cfg["STAGES"],
-                                                configs.share_bytes(Wx.dtype)))
+             *(_ptr(g) for g in state_grads), _int(B), _int(T), *(_ptr(t) for t in exchange),
+             shared=configs.backward_shared_bytes(D, cfg["U"], cfg["NW"], cfg["STAGES"], share))
     else:
         dWx.zero_()
         for g, f in zip(state_grads, finals):
@@ -305,11 +374,11 @@ def _weight_gradient(dWx, h_prev):
 
 def backward_reads_kept_states(Wx, R) -> bool:
     """Whether a training graph's xaccel.slstm should keep its per-step states: the backward
-    kernel runs for this case (a CUDA device with clusters, the dtype and head dim it takes)."""
+    kernel runs for this case (a CUDA device it runs on, the dtype and shape it takes)."""
     return Wx.device.type == "cuda" and Wx.dtype in configs.DTYPES and R.dtype == Wx.dtype \
-        and configs.backward_default(Wx.shape[-1]) is not None and available() is None
+        and available() is None and _backward_config(Wx) is not None
 
 
 def why_not(Wx, R, b) -> str | None:
-    """For the report: why the cluster kernel does not take this case (None: it does)."""
+    """For the report: why no sequence kernel takes this case (None: one does)."""
     return _takes(Wx, R, b)

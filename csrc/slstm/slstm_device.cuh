@@ -170,3 +170,52 @@ __device__ __forceinline__ void store_async_v2(u32 address, float x, float y, u3
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];"
                  :: "r"(address), "f"(x), "f"(y), "r"(remote_bar) : "memory");
 }
+
+// ---- exchange through global memory (the grid kernels: heads wider than one cluster holds, GPUs
+// without clusters). The CTAs of one head count their finished steps on one global counter; the
+// data they exchange is read back through L2 only (.cg), since L1 is not coherent across SMs.
+// The launch is cooperative, so every CTA a counter waits for is resident.
+__device__ __forceinline__ void grid_arrive(unsigned int* counter) {
+    __syncthreads();  // every thread's stores of this step are issued before thread 0's release
+    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(counter) : "memory");
+}
+
+__device__ __forceinline__ void grid_wait(const unsigned int* counter, unsigned int target) {
+    if (threadIdx.x == 0) {
+        unsigned int seen;
+        do {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+        } while (seen < target);
+    }
+    __syncthreads();
+}
+
+// 16 bytes from global memory (through L2, skipping L1) into shared memory
+__device__ __forceinline__ void copy_async_16_cg(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(shared_address(dst)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ uint4 load_cg_v4(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p)
+                 : "memory");
+    return v;
+}
+
+// BYTES (a multiple of 16) from global memory through L2 into shared memory by NTHREADS threads:
+// every load issued before the first store, so the L2 latency is paid once
+template <int BYTES, int NTHREADS_>
+__device__ __forceinline__ void copy_cg(unsigned char* dst, const unsigned char* src) {
+    constexpr int N = BYTES / 16, ITER = (N + NTHREADS_ - 1) / NTHREADS_;
+    uint4 v[ITER];
+#pragma unroll
+    for (int i = 0; i < ITER; ++i) {
+        const int k = threadIdx.x + i * NTHREADS_;
+        if (k < N) v[i] = load_cg_v4(src + k * 16);
+    }
+#pragma unroll
+    for (int i = 0; i < ITER; ++i) {
+        const int k = threadIdx.x + i * NTHREADS_;
+        if (k < N) *(uint4*)(dst + k * 16) = v[i];
+    }
+}

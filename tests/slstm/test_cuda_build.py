@@ -1,7 +1,8 @@
 """The sLSTM CUDA kernels build on a machine without a GPU (NVRTC through cuda.core): every backward
 configuration at the issue's main head size, the default forward and backward of each head size
 the kernels take, both 16-bit dtypes (bf16 exchanges bf16 shares of dh in the backward, fp16
-fp32 ones) and every variant switch, with no register spills in the default backward."""
+fp32 ones) and every variant switch, with no register spills in the default backward; the global
+exchange (head dim 768, GPUs without clusters) for sm_90a and sm_80; which exchange a case gets."""
 import re
 import shutil
 import subprocess
@@ -14,10 +15,10 @@ from torch_xaccel.codegen.slstm import configs, cuda_kernels
 cc = pytest.importorskip("cuda.core")
 
 
-def _build(kernel, D, cfg, dtype, variant=("batch", True, False), save=False):
+def _build(kernel, D, cfg, dtype, variant=("batch", True, False), save=False, arch="sm_90a"):
     name, source = cuda_kernels.render(kernel, D, 4, cfg, dtype, *variant, save)
     try:
-        cubin = cuda_kernels.compile_cubin(name, source, "sm_90a")
+        cubin = cuda_kernels.compile_cubin(name, source, arch)
     except Exception as e:  # an NVRTC missing from this machine is a skip, a compile error a failure
         if "nvrtc" in str(e).lower() and "could not" in str(e).lower():
             pytest.skip(f"no NVRTC here: {e}")
@@ -40,8 +41,36 @@ def test_default_kernels_build_for_every_head_size(D, dtype):
     assert ("#define SB 2" in source) == (dtype == torch.bfloat16)  # the share width the template says
 
 
-def test_no_kernel_for_head_dim_768():
-    assert configs.backward_default(768) is None  # R [4D, U] per CTA exceeds the registers of one cluster
+def test_head_dim_768_takes_the_global_exchange():
+    assert configs.default(768) is None and configs.backward_default(768) is None  # R exceeds one cluster
+    for max_group in (132, 33):  # one batch tile, four
+        fwd, bwd = configs.default(768, "global", max_group), configs.backward_default(768, "global", max_group)
+        assert fwd["C"] <= max_group and bwd["C"] <= max_group and fwd["U"] * fwd["C"] == 768
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("D,max_group", [(768, 132), (768, 33), (192, 33)])
+def test_global_exchange_kernels_build(D, max_group, arch):
+    for dtype in (torch.bfloat16, torch.float16):
+        variant = ("element", False, True) if dtype == torch.float16 else ("batch", True, False)
+        _build("forward", D, configs.default(D, "global", max_group), dtype, variant, save=True, arch=arch)
+        source = _build("backward", D, configs.backward_default(D, "global", max_group), dtype, variant, arch=arch)
+        assert "__cluster_dims__" not in source and "grid_wait(counter" in source
+
+
+def _plan(monkeypatch, capability, sms, B, NH, D):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(cuda_kernels, "_sm_count", lambda device: sms)
+    return cuda_kernels.plan(torch.empty(B, 8, 4, NH, D, device="meta"))
+
+
+def test_which_exchange_a_case_gets(monkeypatch):
+    assert _plan(monkeypatch, (9, 0), 132, 16, 4, 192) == ("cluster", None)
+    assert _plan(monkeypatch, (9, 0), 132, 16, 1, 768) == ("global", 132)
+    assert _plan(monkeypatch, (9, 0), 132, 64, 1, 768) == ("global", 33)  # four batch tiles share the SMs
+    assert _plan(monkeypatch, (8, 0), 108, 16, 4, 192) == ("global", 27)  # no clusters before sm_90
+    why = _plan(monkeypatch, (9, 0), 132, 64, 12, 768)  # 48 groups: too few SMs for one group each
+    assert isinstance(why, str) and "768" in why and "132 SMs" in why
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc for ptxas statistics")

@@ -1,6 +1,7 @@
 """The sLSTM kernels on the GPU against the fp32 reference (bf16 / fp16 inputs): forward relative
 error <= 1e-2 (inputs, R and h rounded to 16 bits, fp32 state math) over the head shapes the
-issue names, odd T, batch sizes that do not fill a tile, initial states and every variant."""
+issue names, odd T, batch sizes that do not fill a tile, initial states and every variant; both
+exchanges (clusters, and the global one that head dim 768 and GPUs without clusters take)."""
 import pytest
 import torch
 
@@ -27,7 +28,7 @@ def _inputs(B, T, NH, D, dtype, state=False, seed=0):
     return Wx, R, b, states
 
 
-@pytest.mark.parametrize("NH,D", [(4, 192), (4, 256), (8, 128), (12, 64)])
+@pytest.mark.parametrize("NH,D", [(4, 192), (1, 768), (4, 256), (8, 128), (12, 64)])
 @pytest.mark.parametrize("B,T", [(16, 37), (5, 64), (33, 9)])
 def test_forward_matches_reference(NH, D, B, T):
     Wx, R, b, states = _inputs(B, T, NH, D, torch.bfloat16)
@@ -84,7 +85,7 @@ def _grads(fn, inputs, out_grads):
     return torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs])
 
 
-@pytest.mark.parametrize("NH,D", [(4, 192), (4, 256), (8, 128), (12, 64)])
+@pytest.mark.parametrize("NH,D", [(4, 192), (1, 768), (4, 256), (8, 128), (12, 64)])
 @pytest.mark.parametrize("variant", [("batch", True, False), ("element", False, True)])
 @pytest.mark.parametrize("saving", [False, True])
 def test_backward_kernel_matches_reference(NH, D, variant, saving):
@@ -117,3 +118,51 @@ def test_backward_without_state_and_y_only():
                   (Wx.float(), R.float(), b), [gy.float()])
     for a, w in zip(got, want):
         assert _rel(a, w) < 5e-2
+
+
+@pytest.fixture
+def global_exchange(monkeypatch):
+    """Every case on the global exchange (what a GPU without clusters runs), at its largest groups."""
+    real = cuda_kernels.plan
+
+    def forced(Wx):
+        chosen = real(Wx)
+        if isinstance(chosen, str) or chosen[0] == "global":
+            return chosen
+        return "global", cuda_kernels._sm_count(Wx.device) // cuda_kernels._groups(Wx)
+    monkeypatch.setattr(cuda_kernels, "plan", forced)
+
+
+def test_every_global_configuration(global_exchange):
+    from torch_xaccel.codegen.slstm import configs
+
+    Wx, R, b, states = _inputs(9, 33, 4, 192, torch.bfloat16, state=True, seed=7)
+    want = reference.forward(Wx, R.float(), b, *states, "element", True, False)
+    cands = configs.candidates(192, *cuda_kernels.plan(Wx))
+    assert cands and all(c["exchange"] == "global" for c in cands)
+    for cfg in cands:
+        got = cuda_kernels.launch(cfg, Wx, R, b.contiguous(), *[s.contiguous() for s in states], 0, "element", True,
+                                  False)
+        for g, w in zip(got, want):
+            assert _rel(g, w) < 1e-2, cfg
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_global_exchange_forward_and_backward(global_exchange, dtype):
+    B, T, NH, D = 20, 31, 4, 192  # two batch tiles, the second part-filled
+    Wx, R, b, states = _inputs(B, T, NH, D, dtype, state=True, seed=8)
+    variant = ("batch", True, False) if dtype == torch.bfloat16 else ("element", False, True)
+    states[2] = states[2] + 0.5
+    g = torch.Generator(device="cuda").manual_seed(10)
+    out_grads = [torch.randn(B, T, NH, D, device="cuda", generator=g).to(dtype)] + \
+        [torch.randn(B, NH, D, device="cuda", generator=g) * .1 for _ in range(4)]
+    events = len(runtime.EVENTS)
+    got = _grads(lambda *t: torch.ops.xaccel.slstm_saving(*t, *variant)[:5], (Wx, R, b, *states), out_grads)
+    assert len(runtime.EVENTS) == events, runtime.EVENTS[-1]
+    want = _grads(lambda *t: reference.forward(*t, *variant), (Wx.float(), R.float(), b, *states),
+                  [o.float() for o in out_grads])
+    for name, a, w in zip(["dWx", "dR", "db", "dh0", "dc0", "dn0", "dm0"], got, want):
+        assert _rel(a, w) < 5e-2, (name, _rel(a, w))
+    y = torch.ops.xaccel.slstm(Wx, R, b, *states, *variant)
+    for a, w in zip(y, reference.forward(Wx, R.float(), b, *states, *variant)):
+        assert _rel(a, w) < 1e-2
