@@ -84,3 +84,64 @@ def onnxruntime_outputs(path, *inputs) -> list:
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     feeds = {i.name: t.detach().numpy() for i, t in zip(session.get_inputs(), inputs)}
     return [torch.from_numpy(o) for o in session.run(None, feeds)]
+
+
+def _without_xaccel_output_types(model):
+    """A copy of `model` that no longer states the xaccel nodes' output shapes (value_info, the
+    graph's outputs): what shape inference must find by itself. (The copy, the output names.)"""
+    import onnx
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    outs = [o for n in m.graph.node if n.domain == "xaccel" for o in n.output]
+    kept = [v for v in m.graph.value_info if v.name not in outs]
+    del m.graph.value_info[:]
+    m.graph.value_info.extend(kept)
+    for v in m.graph.output:
+        if v.name in outs:
+            v.type.tensor_type.ClearField("shape")
+    return m, outs
+
+
+def inferred_shapes_match_onnxruntime(model, *inputs) -> int:
+    """onnx's strict shape inference (through the registered xaccel schemas) gives every xaccel node
+    output the dtype and shape that onnxruntime returns for `inputs`: static dims as those numbers,
+    dynamic dims by a graph input's dim name, bound to that input's size. Returns how many of the
+    inferred dims are symbolic."""
+    import onnx
+    import onnxruntime
+
+    m, outs = _without_xaccel_output_types(model)
+    inferred = onnx.shape_inference.infer_shapes(m, strict_mode=True)
+    types = {v.name: v.type.tensor_type for v in (*inferred.graph.value_info, *inferred.graph.output)}
+    listed = {v.name for v in inferred.graph.output}
+    inferred.graph.output.extend(onnx.helper.make_value_info(o, onnx.TypeProto(tensor_type=types[o]))
+                                 for o in outs if o not in listed)
+    session = onnxruntime.InferenceSession(inferred.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {i.name: t.detach().numpy() for i, t in zip(session.get_inputs(), inputs)}
+    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    sizes = {d.dim_param: n for v in model.graph.input if v.name in feeds
+             for d, n in zip(v.type.tensor_type.shape.dim, feeds[v.name].shape) if d.dim_param}
+    symbolic = 0
+    for o in outs:
+        dims = types[o].shape.dim
+        assert types[o].HasField("shape") and all(d.HasField("dim_value") or d.dim_param in sizes for d in dims), \
+            f"{o}: inferred {types[o]}"
+        shape = tuple(d.dim_value if d.HasField("dim_value") else sizes[d.dim_param] for d in dims)
+        assert shape == got[o].shape, (o, shape, got[o].shape)
+        assert onnx.helper.tensor_dtype_to_np_dtype(types[o].elem_type) == got[o].dtype, o
+        symbolic += sum(d.HasField("dim_param") for d in dims)
+    return symbolic
+
+
+def xaccel_nodes_fit_their_schemas(model) -> None:
+    """Every xaccel node's attributes are its registered schema's (names and types; an optional
+    one may be left out), and the full checker, which now reads those schemas, passes."""
+    import onnx
+
+    for node in (n for n in model.graph.node if n.domain == "xaccel"):
+        declared = onnx.defs.get_schema(node.op_type, 1, "xaccel").attributes
+        written = {a.name: a.type for a in node.attribute}
+        assert written == {k: int(a.type) for k, a in declared.items() if k in written}, node.op_type
+        assert {k for k, a in declared.items() if a.required} <= set(written), node.op_type
+    onnx.checker.check_model(model, full_check=True)

@@ -4,7 +4,12 @@ model as written."""
 import pytest
 import torch
 
-from tests.helpers import onnxruntime_outputs, rel_err
+from tests.helpers import (
+    inferred_shapes_match_onnxruntime,
+    onnxruntime_outputs,
+    rel_err,
+    xaccel_nodes_fit_their_schemas,
+)
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
@@ -58,7 +63,8 @@ def test_disabled_exports_the_model_as_written(tmp_path, monkeypatch):
 
 def test_the_demo_model_has_one_node_per_fused_region_of_the_compile(tmp_path):
     """Every region the compile fuses is one xaccel node of the export (same counts per op);
-    onnxruntime equals PyTorch."""
+    onnxruntime equals PyTorch; the nodes fit their schemas, whose shape inference gives every
+    xaccel output the static shape onnxruntime returns."""
     import torch_xaccel
     from torch_xaccel.demo import DemoModel
 
@@ -73,6 +79,8 @@ def test_the_demo_model_has_one_node_per_fused_region_of_the_compile(tmp_path):
     assert res.xaccel_nodes == {k: n for k, n in compiled.items() if n}
     assert compiled["gemm_epilogue"] > 0 and compiled["mlstm"] == 2 and compiled["slstm"] == 2
     assert rel_err(onnxruntime_outputs(tmp_path / "demo.onnx", tokens)[0], want) <= 1e-5
+    xaccel_nodes_fit_their_schemas(res.model)
+    assert inferred_shapes_match_onnxruntime(res.model, tokens) == 0
 
 
 def test_a_failing_pass_exports_the_model_as_written_with_the_reason(tmp_path, monkeypatch):

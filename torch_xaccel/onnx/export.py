@@ -131,8 +131,7 @@ def export(model, args, f=None, *, kwargs=None, dynamic_shapes=None, opset_versi
                                                               "written"))
             ep = _exported(model, tuple(args), kwargs, dynamic_shapes, strict, graph_report)
     _check_translatable(ep)
-    ops = [getattr(torch.ops.xaccel, op).default for op in sorted(bodies.translatable())]
-    ep = ep.run_decompositions({op: symbolic.decomposition(op) for op in ops})
+    ep = ep.run_decompositions({op: symbolic.decomposition(op) for op in bodies.translatable_ops()})
     with bodies.quiet_exporter():
         program = torch.onnx.export(ep, dynamo=True, opset_version=opset_version, dynamic_shapes=dynamic_shapes,
                                     verbose=False)

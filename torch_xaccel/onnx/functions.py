@@ -45,15 +45,21 @@ def _attrs(node: onnx.NodeProto) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
+def dims(t: onnx.TypeProto.Tensor) -> tuple | None:
+    """A tensor type's dims: ints, symbol names, None for an unknown dim; None when the rank is unknown."""
+    if not t.HasField("shape"):
+        return None
+    return tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim)
+
+
 def _value_types(model: onnx.ModelProto) -> dict[str, tuple[int, tuple | None]]:
-    """value name -> (ONNX element type, dims: ints or symbol names; None when the rank is unknown)."""
+    """value name -> (ONNX element type, dims: ints or symbol names; None when any is unknown)."""
     types = {}
     for v in (*model.graph.input, *model.graph.value_info, *model.graph.output):
         if v.type.HasField("tensor_type"):
             t = v.type.tensor_type
-            dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim) \
-                if t.HasField("shape") else None
-            types[v.name] = (t.elem_type, None if dims is None or None in dims else dims)
+            known = dims(t)
+            types[v.name] = (t.elem_type, None if known is None or None in known else known)
     for t in model.graph.initializer:
         types[t.name] = (t.data_type, tuple(t.dims))
     return types
@@ -66,6 +72,13 @@ def builders() -> dict:
 
 def translatable() -> set[str]:
     return {op for f in families.FAMILIES for op in f.onnx}
+
+
+def translatable_ops() -> list:
+    """The torch.ops.xaccel overloads that have an ONNX body: what an export can emit."""
+    import torch
+
+    return [getattr(torch.ops.xaccel, op).default for op in sorted(translatable())]
 
 
 def count(model: onnx.ModelProto) -> dict[str, int]:
@@ -173,6 +186,11 @@ def torch_dtype(elem_type: int | None):
 
     name = TORCH_DTYPES.get(elem_type)
     return getattr(torch, name) if name else None
+
+
+def elem_type(dtype) -> int | None:
+    """The ONNX element type of a torch float dtype (None for others)."""
+    return next((e for e, name in TORCH_DTYPES.items() if str(dtype) == f"torch.{name}"), None)
 
 
 def examples(call, positions) -> tuple[tuple, tuple]:
