@@ -77,6 +77,14 @@ def _is_view(target) -> bool:
                 and not schema.returns[0].alias_info.is_write)
 
 
+def alias_base(node):
+    """The node whose memory `node` views (node itself when it is no view)."""
+    while (isinstance(node, torch.fx.Node) and node.op == "call_function" and _is_view(node.target) and node.args
+           and isinstance(node.args[0], torch.fx.Node)):
+        node = node.args[0]
+    return node
+
+
 def mutated_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     """Nodes whose value is written in place somewhere in the graph: directly, through a view
     (which writes its base), or through its base or another view of it (which shares its

@@ -31,7 +31,7 @@ from torch_xaccel.report import Fallback, Replacement
 
 from .. import CONSTANT_FLOATS, PassContext
 from ..graph_utils import location, val
-from . import provenance, substitutions
+from . import provenance, regions, substitutions
 from .matching import DynamicEps, NoMatch, example_int, expect, is_op, kernel_refusal
 
 FAMILY = "mlstm"
@@ -390,9 +390,22 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         if node.target is torch.ops.xaccel.mlstm.default and substitutions.traced_here(node):
             report.replacements.append(Replacement(FAMILY, "xaccel.mlstm", "mlstm_kernels native chunkwise "
                                                    "(substituted while Dynamo traced)", location(node)))
-    provenance.run(gm, report)  # known library kernels next, then the parallel form
-    graph = gm.graph
-    misses: dict = {}  # logsigmoid node -> (depth, reason, where): one report per would-be mLSTM
+    misses = _parallel_forms(gm, ctx)
+    # what the structural walk did not take: mLSTM-shaped regions, proven by running them
+    for nodes, reason, where in provenance.run(gm, ctx, regions.seeds(gm.graph)):
+        if reason is None:
+            continue
+        near = max((misses[h] for h in nodes if h in misses), default=None)
+        also = f"; as the parallel form: {near[1]}" if near else ""
+        report.fallbacks.append(Fallback(FAMILY, f"mLSTM-like code (a log-sigmoid of a gate) not replaced: {reason}"
+                                                 f"{also}", where))
+
+
+def _parallel_forms(gm: torch.fx.GraphModule, ctx: PassContext) -> dict:
+    """Replace each parallel stabilized form; {candidate matmul: (how far it matched, why not)}
+    for the others (reported with the region around them, once)."""
+    report, graph = ctx.report, gm.graph
+    misses: dict = {}
     gone: set = set()
     for h in [n for n in graph.nodes if is_op(n, aten.matmul.default)]:
         if h in gone:
@@ -402,69 +415,44 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         except NoMatch as e:
             if isinstance(e, DynamicEps):
                 ctx.requests.add(CONSTANT_FLOATS)
-            ls = _logsigmoid_upstream(h)
-            if ls is not None and e.depth >= misses.get(ls, (-1,))[0]:
-                misses[ls] = (e.depth, str(e), location(h))
+            misses[h] = (e.depth, str(e))
             continue
         region = set(nodes) - set(inputs.values())
         escaped = [n.name for n in region if n is not h and any(u not in region for u in n.users)]
-        if escaped:
-            report.fallbacks.append(Fallback(FAMILY, f"mLSTM intermediates used elsewhere: {', '.join(escaped[:3])}",
-                                             location(h)))
-            continue
-        if val(h).dtype != val(inputs["q"]).dtype:
-            report.fallbacks.append(Fallback(FAMILY, "output dtype differs from q's", location(h)))
-            continue
         refusals = [r for r in (_cached_mask_refusal(root, neg, gm) for _, root, neg in mask_checks) if r]
-        if refusals:
-            report.fallbacks.append(Fallback(FAMILY, f"mLSTM with {refusals[0]}: left as written", location(h)))
-            continue
         slower = kernel_refusal(*(val(inputs[x]) for x in "qkv"))
-        if slower:
-            report.fallbacks.append(Fallback(FAMILY, f"mLSTM left as written: {slower}; the op's reference would run "
-                                                     "instead, slower than this code", location(h)))
+        why = (f"intermediates used elsewhere: {', '.join(escaped[:3])}" if escaped
+               else "output dtype differs from q's" if val(h).dtype != val(inputs["q"]).dtype
+               else f"{refusals[0]}: left as written" if refusals
+               else f"left as written: {slower}; the op's reference would run instead, slower than this code" if slower
+               else None)
+        if why:
+            misses[h] = (len(nodes), why)
             continue
-        fake_mode = getattr(val(inputs["q"]), "fake_mode", None)
-        with graph.inserting_before(h):
-            for mask, _, negate in mask_checks:
-                _assert_causal(graph, mask, negate)
-            gates = [_as_sequence(graph, inputs[g], fake_mode) for g in "if"]
-            args = (inputs["q"], inputs["k"], inputs["v"], *gates, None, None, None, eps, CHUNK)
-            fused = graph.call_function(torch.ops.xaccel.mlstm.default, args)
-            out = graph.call_function(operator.getitem, (fused, 0))
-        if fake_mode is not None:
-            with fake_mode:
-                fakes = torch.ops.xaccel.mlstm.default(*[val(a) if isinstance(a, torch.fx.Node) else a for a in args])
-            fused.meta["val"], out.meta["val"] = fakes, fakes[0].to(val(h).dtype)
-        if h.meta.get("stack_trace"):
-            out.meta["stack_trace"] = h.meta["stack_trace"]
-        h.replace_all_uses_with(out)
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        for n in sorted(region, key=order.__getitem__, reverse=True):
-            if not n.users:
-                graph.erase_node(n)
-                gone.add(n)
+        _replace(gm, h, inputs, eps, region, mask_checks, gone)
         report.replacements.append(Replacement(FAMILY, "xaccel.mlstm", "parallel stabilized form", location(h)))
-        for ls in [n for n in misses if n in gone]:
-            del misses[ls]  # its mLSTM was matched from another candidate
-    # what the structural walk missed: try each enclosing user function as a whole, by numeric proof
-    proven = provenance.run_on_functions(gm, report, list(misses))
-    for ls, (depth, reason, where) in misses.items():
-        if proven.get(ls, "") is None:
-            continue
-        whole = f"; as a whole function: {proven[ls]}" if proven.get(ls) else ""
-        report.fallbacks.append(Fallback(FAMILY, f"mLSTM-like code (a logsigmoid of a gate) not in a recognized form; "
-                                                 f"closest candidate failed at: {reason}{whole}", where))
+    return {h: m for h, m in misses.items() if h not in gone}
 
 
-def _logsigmoid_upstream(h: torch.fx.Node):
-    """The first logsigmoid among h's ancestors (what makes a graph look like an mLSTM), or None."""
-    seen, todo = set(), [h]
-    while todo:
-        for a in todo.pop().all_input_nodes:
-            if a not in seen:
-                if is_op(a, aten.log_sigmoid.default):
-                    return a
-                seen.add(a)
-                todo.append(a)
-    return None
+def _replace(gm, h, inputs, eps, region, mask_checks, gone: set) -> None:
+    graph = gm.graph
+    fake_mode = getattr(val(inputs["q"]), "fake_mode", None)
+    with graph.inserting_before(h):
+        for mask, _, negate in mask_checks:
+            _assert_causal(graph, mask, negate)
+        gates = [_as_sequence(graph, inputs[g], fake_mode) for g in "if"]
+        args = (inputs["q"], inputs["k"], inputs["v"], *gates, None, None, None, eps, CHUNK)
+        fused = graph.call_function(torch.ops.xaccel.mlstm.default, args)
+        out = graph.call_function(operator.getitem, (fused, 0))
+    if fake_mode is not None:
+        with fake_mode:
+            fakes = torch.ops.xaccel.mlstm.default(*[val(a) if isinstance(a, torch.fx.Node) else a for a in args])
+        fused.meta["val"], out.meta["val"] = fakes, fakes[0].to(val(h).dtype)
+    if h.meta.get("stack_trace"):
+        out.meta["stack_trace"] = h.meta["stack_trace"]
+    h.replace_all_uses_with(out)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in sorted(region, key=order.__getitem__, reverse=True):
+        if not n.users:
+            graph.erase_node(n)
+            gone.add(n)

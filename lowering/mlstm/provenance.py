@@ -1,155 +1,299 @@
-"""mLSTM code found by where it came from and proven by running it.
+"""mLSTM regions proven by running them, then replaced by xaccel.mlstm or xaccel.mlstm_step.
 
-Chunkwise code unrolls a Python loop over chunks: hundreds of ATen nodes whose exact shape changes
-with the sequence length. Instead of a structural pattern, this pass
-1. takes the nodes whose stack trace runs through one function, split into connected regions
-   (one per call): the functions in KNOWN (the xlstm package's native chunkwise kernel, normally
-   substituted before tracing: substitutions.py), and, via run_on_functions, any
-   user function holding mLSTM-like code that the structural walk in parallel.py did not match;
-2. requires each region to read exactly five float tensors (3 of rank 4, 2 of rank 3) besides
-   zeros() start states, and to produce exactly one tensor that the rest of the graph reads;
-3. runs the region on random inputs of the real shapes (fp32) and compares it with
-   xaccel::mlstm for every assignment of the inputs to (q, k, v, i, f), with the library's start
-   state (C = n = 0, m = 0) or, for user functions, also without a state; exactly one assignment
-   must agree within 1e-4;
-4. replaces the region with that call.
-A region that fails any step is reported and left as it is.
+Code the structural walks do not know (a chunkwise loop unrolled into hundreds of nodes, an einsum
+form, a loop of recurrent steps, transformers' in-file copy of the xlstm kernels) is found by its
+data flow (regions.py) and then
+1. its inputs get roles by shape: q, k, v [B, NH, S, D] (a step: [B, NH, D]), gates i, f [B, NH, S]
+   or [B, NH, S, 1] (a step: [B, NH] or [B, NH, 1]), and optionally start states C0 [B, NH, DK, DV],
+   n0 [B, NH, DK], m0 [B, NH] or [B, NH, 1]; every tensor it reads must get one;
+2. it runs on random fp32 inputs of its real shapes, in three regimes of gates (_REGIMES), recording
+   every value;
+3. each assignment is compared with xaccel.mlstm / mlstm_step under each start (the given state,
+   zeros as the xlstm kernels start, or none as the parallel form) and state convention (k scaled
+   as ours, or q scaled as the xlstm package's, whose states are sqrt(DQK) times ours): h is the
+   last node equal to the op's h within 1e-4 in every regime, and the final C, n, m the last nodes
+   equal to the op's states, where any are;
+4. what follows those results in the region stays in the graph (a silu(h) in the same layout);
+   every other value of the region must be read only inside it;
+5. exactly one input assignment may hold; it replaces the region.
+A region that fails a step is reported with that step and left as it is.
 """
 from __future__ import annotations
 
 import itertools
 import operator
-import os
+from dataclasses import dataclass
 
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from torch_xaccel.report import Fallback, GraphReport, Replacement
+from torch_xaccel.report import Replacement
 
-from ..graph_utils import frames, location, val
-from .matching import kernel_refusal
+from .. import CONSTANT_FLOATS
+from ..graph_utils import alias_base, location, val
+from . import regions
+from .matching import DYNAMIC_EPS, example_int, kernel_refusal
+from .step import REPORTED
 
 FAMILY = "mlstm"
 aten = torch.ops.aten
-KNOWN = {  # (file suffix, function) -> a short name for the report
-    ("mlstm_kernels/torch/chunkwise/native/fwbw.py", "mlstm_chunkwise__native_autograd"): "xlstm native chunkwise",
-}
 TOL = 1e-4
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 MAX_PROOF_ELEMENTS = 1 << 28  # proofs run the region at its real shapes: cap one S x S fp32 tensor at 1 GiB
+STATES = ("C", "n", "m")
 
 
-def _origin(node) -> str | None:
-    for path, fn in _frames(node):
-        for (suffix, name), label in KNOWN.items():
-            if fn == name and path.endswith(suffix):
-                return label
-    return None
+@dataclass(frozen=True)
+class Roles:
+    """One reading of a region: which inputs are what, and how its states relate to the op's."""
+    target: str            # "sequence" (xaccel.mlstm) or "step" (xaccel.mlstm_step)
+    qkvif: tuple           # input positions of q, k, v, i, f
+    state: tuple | None    # input positions of C0, n0, m0 when given
+    start: str             # "given", "zeros" (C = n = 0, m = 0) or "none" (no start state)
+    scale_q: bool          # states hold unscaled k (q carries 1/sqrt(DQK)): theirs = sqrt(DQK) x ours
 
 
-def _frames(node) -> list[tuple[str, str]]:
-    return [(path, fn) for path, _, fn in frames(node)]
+class Refused(Exception):
+    """A step of the proof failed; the message says which."""
 
 
-def _regions(graph, origin=None) -> list[tuple[str, list]]:
-    origin = origin or _origin
-    members = {n: origin(n) for n in graph.nodes if n.op == "call_function"}
-    members = {n: o for n, o in members.items() if o}
-    parent = {n: n for n in members}
+# ---- roles by shape ---------------------------------------------------------------------------
 
-    def find(n):
-        while parent[n] is not n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
+def _assignments(shapes: dict) -> list[Roles]:
+    """Every assignment of the inputs (position -> shape) to roles that the shapes allow."""
+    out = []
+    for q, k, v in itertools.permutations(shapes, 3):
+        Q, V = shapes[q], shapes[v]
+        if shapes[k] != Q or Q[:-1] != V[:-1] or len(Q) not in (3, 4):
+            continue
+        target = "sequence" if len(Q) == 4 else "step"
+        B, H, DK, DV = Q[0], Q[1], Q[-1], V[-1]
+        gate = Q[:3] if target == "sequence" else (B, H)
+        rest = [x for x in shapes if x not in (q, k, v)]
+        for i, f in itertools.permutations(rest, 2):
+            if shapes[i] not in (gate, gate + (1,)) or shapes[f] not in (gate, gate + (1,)):
+                continue
+            others = [x for x in rest if x not in (i, f)]
+            options = []
+            if not others and target == "sequence":
+                options = [(None, "none"), (None, "zeros")]
+            elif len(others) == 3:
+                options = [((C, n, m), "given") for C, n, m in itertools.permutations(others)
+                           if shapes[C] == (B, H, DK, DV) and shapes[n] == (B, H, DK)
+                           and shapes[m] in ((B, H), (B, H, 1))]
+            out += [Roles(target, (q, k, v, i, f), state, start, scale_q)
+                    for state, start in options for scale_q in (False, True)]
+    return out
 
-    for n in members:
-        for a in n.all_input_nodes:
-            if a in members:
-                parent[find(a)] = find(n)
-    groups: dict = {}
-    for n in graph.nodes:  # graph order inside each region
-        if n in members:
-            groups.setdefault(find(n), []).append(n)
-    return [(members[g[0]], g) for g in groups.values()]
+
+# ---- running the region and the op -------------------------------------------------------------
+
+class _Recorder(torch.fx.Interpreter):
+    """Runs the region, keeping a copy of every float tensor as it is when computed (later
+    in-place writes into a buffer do not change what an earlier node showed)."""
+
+    def __init__(self, gm, keep):
+        super().__init__(gm)
+        self.keep, self.seen = keep, {}
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        if n.name in self.keep and isinstance(out, torch.Tensor) and out.is_floating_point():
+            self.seen[self.keep[n.name]] = out.detach().clone()
+        return out
+
+
+def _extract(nodes, inputs) -> tuple[torch.fx.GraphModule, dict]:
+    g = torch.fx.Graph()
+    env = {x: g.placeholder(f"in{k}") for k, x in enumerate(inputs)}
+    names = {}
+    for n in nodes:
+        env[n] = g.node_copy(n, lambda a: env[a])
+        names[env[n].name] = n
+    g.output(None)
+    return torch.fx.GraphModule(torch.nn.Module(), g), names
+
+
+def _run(nodes, inputs, values) -> dict:
+    gm, names = _extract(nodes, inputs)
+    rec = _Recorder(gm, names)
+    with torch.no_grad():
+        rec.run(*values)
+    return rec.seen
+
+
+def _expected(roles: Roles, vals: list, eps: float) -> dict:
+    """What the op returns for these inputs, in the region's state convention."""
+    from torch_xaccel.ops.mlstm import reference
+
+    q, k, v, i, f = (vals[x] for x in roles.qkvif)
+    B, H, DK = q.shape[0], q.shape[1], q.shape[-1]
+    if roles.target == "step":
+        C, n, m = (vals[x] for x in roles.state)
+        h, C, n, m = reference.step(q, k, v, i.reshape(B, H), f.reshape(B, H), C, n, m.reshape(B, H), eps,
+                                    roles.scale_q)
+        return dict(h=h, C=C, n=n, m=m)
+    root = DK ** 0.5 if roles.scale_q else 1.0
+    S = q.shape[2]
+    if roles.start == "given":
+        C, n, m = (vals[x] for x in roles.state)
+        state = (C / root, n / root, m.reshape(B, H))
+    elif roles.start == "zeros":
+        state = (q.new_zeros(B, H, DK, v.shape[-1]), q.new_zeros(B, H, DK), q.new_zeros(B, H))
+    else:
+        state = (None, None, None)
+    h, C, n, m = reference.forward(q, k, v, i.reshape(B, H, S), f.reshape(B, H, S), *state, eps=eps)
+    return dict(h=h, C=C * root, n=n * root, m=m)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _fits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Same values up to a trailing unit dim ([B, NH, 1] for [B, NH])."""
+    return tuple(got.shape) in (tuple(want.shape), tuple(want.shape) + (1,))
+
+
+def _last_match(nodes, runs: list, wants: list) -> tuple:
+    """(the last node equal to `wants` in every run, its error), or (None, the closest error)."""
+    best, closest = (None, None), float("inf")
+    for n in nodes:
+        if not all(n in seen and _fits(seen[n], w) for seen, w in zip(runs, wants)):
+            continue
+        err = max(_rel(seen[n].reshape(w.shape), w) for seen, w in zip(runs, wants))
+        closest = min(closest, err)
+        if err <= TOL:
+            best = (n, err)
+    return best if best[0] is not None else (None, closest)
+
+
+# ---- the proof ------------------------------------------------------------------------------
+
+@dataclass
+class Proof:
+    roles: Roles
+    outputs: dict          # "h", and those of "C", "n", "m" the region computes -> node
+    kept: list             # the region's nodes the op replaces, graph order
+    error: float
 
 
 def _example(v, gen):
-    """A random real tensor like fake value v (fp32 for floats), or v's concrete size."""
+    """A random real fp32 tensor like fake value v, or v's concrete value."""
     if isinstance(v, torch.Tensor):
-        shape = [int(s) for s in v.shape]
-        return torch.randn(shape, generator=gen, dtype=torch.float32).to(v.device)
+        return torch.randn([int(s) for s in v.shape], generator=gen, dtype=torch.float32).to(v.device)
     hint = getattr(getattr(v, "node", None), "hint", None)
-    return int(hint) if hint is not None else v
+    return hint if hint is not None else v
 
 
-def _extract(nodes, inputs, output):
-    g = torch.fx.Graph()
-    env = {x: g.placeholder(f"in{k}") for k, x in enumerate(inputs)}
-    for n in nodes:
-        env[n] = g.node_copy(n, lambda a: env[a])
-    g.output(env[output])
-    return torch.fx.GraphModule(torch.nn.Module(), g)
+def _concrete_shape(v) -> tuple:
+    return tuple(example_int(s) for s in v.shape)
 
 
-_ZEROS = (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
+# (input gate shift, forget gate shift) of each run. Forget gates near 1 as in trained models keep
+# the test well conditioned, and the normalizer's row sum binds; all gates down, its floor exp(-m)
+# binds (a wrong scale on q k^T shows only there); forget gates at 1 with small input gates, the
+# start state's m dominates the final m (a zero start and none differ only there, and in eps)
+_REGIMES = ((2.0, 2.0), (-6.0, -6.0), (-8.0, 8.0))
 
 
-def _verify(nodes, inputs, output, eps, kinds=("zeros",)):
-    """(order, kind): the (q, k, v, i, f) order of `inputs` and the start-state kind under which
-    xaccel::mlstm reproduces the region, or (None, reason). kinds: "zeros" = state (0, 0, 0) as
-    the xlstm package starts; "none" = no state (the parallel form's m0 = -inf). The two agree up
-    to eps effects (~1e-7 relative), so both usually fit: the closer one is taken. Inputs made
-    by zeros() (the start states a wrapper passes in) stay zero: they are part of the function
-    being recognised, not data."""
-    from torch_xaccel.ops.mlstm import reference
+def _regime(base: list, gates: tuple, shift: tuple) -> list:
+    out = list(base)
+    for k, d in zip(gates, shift):
+        out[k] = base[k] + d
+    return out
 
+
+def prove(region: regions.Region, eps: float) -> Proof:
+    inputs = region.inputs
+    roled = {k: _concrete_shape(val(x)) for k, x in enumerate(inputs)
+             if isinstance(val(x), torch.Tensor) and x not in region.size_inputs}
+    floats = [x for x in inputs if not isinstance(val(x), torch.Tensor) and not isinstance(val(x), torch.SymInt)]
+    if floats:
+        raise Refused(f"it reads a Python float from outside ({floats[0].name}): {DYNAMIC_EPS}")
+    candidates = _assignments(roled)
+    if not candidates:
+        raise Refused(f"its {len(roled)} input tensors {sorted(roled.values())} are not q, k, v, i, f "
+                      "(and start states) by their shapes")
+    seq = [r for r in candidates if r.target == "sequence"]
+    for r in seq:
+        B, H, S = roled[r.qkvif[0]][:3]
+        if B * H * S * S > MAX_PROOF_ELEMENTS:  # the region may hold S x S intermediates
+            raise Refused(f"too large to prove by running it (B*H*S^2 = {B * H * S * S:.2e} > "
+                          f"{MAX_PROOF_ELEMENTS:.0e})")
     gen = torch.Generator().manual_seed(0)
-    values = [torch.zeros([int(s) for s in val(x).shape], device=val(x).device) if x.target in _ZEROS
-              else _example(val(x), gen) for x in inputs]
-    tensors = [k for k, x in enumerate(inputs) if isinstance(val(x), torch.Tensor) and x.target not in _ZEROS]
-    rank4 = [k for k in tensors if val(inputs[k]).dim() == 4]
-    rank3 = [k for k in tensors if val(inputs[k]).dim() == 3]
-    if len(tensors) != 5 or len(rank4) != 3 or len(rank3) != 2:
-        return None, f"reads {len(tensors)} tensors, not q, k, v (4-D) and i, f (3-D)"
-    B, H, S = (int(d) for d in val(inputs[rank4[0]]).shape[:3])
-    if B * H * S * S > MAX_PROOF_ELEMENTS:  # the region may hold S x S intermediates
-        return None, f"too large to prove by running it (B*H*S^2 = {B * H * S * S:.2e} > {MAX_PROOF_ELEMENTS:.0e})"
-    for k in rank3:  # forget gates near 1 as in trained models: keeps the test well conditioned
-        values[k] = values[k] + 2.0
-    # Two regimes, both of which must agree: with gates as above the normalizer's row sum binds,
-    # which makes h blind to a constant factor on q k^T (it cancels); with every gate shifted down
-    # its floor exp(-m) binds, where h is linear in that factor and a wrong scale shows.
-    regimes = [values, [t - 8.0 if k in rank3 else t for k, t in enumerate(values)]]
-    region = _extract(nodes, inputs, output)
-    with torch.no_grad():
-        wants = [region(*vals) for vals in regimes]
-        if not all(isinstance(w, torch.Tensor) for w in wants):
-            return None, "the region's result is not a tensor"
-        want = wants[0]
-        found = []
-        for (q, k, v), (i, f) in itertools.product(itertools.permutations(rank4), itertools.permutations(rank3)):
-            Q, K, V = (values[x] for x in (q, k, v))
-            if Q.shape != K.shape or Q.shape[:-1] != V.shape[:-1] or tuple(V.shape[:-1]) != tuple(want.shape[:-1]) \
-                    or V.shape[-1] != want.shape[-1]:
-                continue
-            B, H, S, DK = Q.shape
-            for kind in kinds:
-                state = ((Q.new_zeros(B, H, DK, V.shape[-1]), Q.new_zeros(B, H, DK), Q.new_zeros(B, H))
-                         if kind == "zeros" else (None, None, None))
-                errs = []
-                for vals, w in zip(regimes, wants):
-                    got = reference.forward(*(vals[x] for x in (q, k, v, i, f)), *state, eps=eps)[0]
-                    errs.append(((got - w.float()).norm() / w.float().norm().clamp_min(1e-30)).item())
-                if max(errs) <= TOL:
-                    found.append((max(errs), (q, k, v, i, f), kind))
-    if len({order for _, order, _ in found}) != 1:
-        return None, ("no assignment of its inputs to (q, k, v, i, f) reproduces it" if not found
-                      else "several input assignments reproduce it")
-    _, order, kind = min(found)
-    return order, kind
+    base = [_example(val(x), gen) for x in inputs]
+    proofs, closest, escapes = [], float("inf"), []
+    for gates, group in itertools.groupby(sorted(candidates, key=lambda r: r.qkvif[3:]), key=lambda r: r.qkvif[3:]):
+        regimes = [_regime(base, gates, shift) for shift in _REGIMES]
+        try:
+            runs = [_run(region.nodes, inputs, vals) for vals in regimes]
+        except Exception as e:  # noqa: BLE001 - a region we cannot run is a region we do not replace
+            raise Refused(f"could not run it on random inputs ({type(e).__name__}: {e})") from None
+        for roles in group:
+            proof, err, escaped = _try(region.nodes, runs, [_expected(roles, vals, eps) for vals in regimes], roles)
+            if proof is not None:
+                proofs.append(proof)
+            closest, escapes = min(closest, err), escapes or escaped
+    if not proofs:
+        if escapes:
+            names = ", ".join(n.name for n in escapes[:3])
+            raise Refused(f"a value other than h and the final states leaves it: {names}")
+        raise Refused("no assignment of its inputs to (q, k, v, i, f) reproduces its output h "
+                      f"(closest relative error {closest:.1e})")
+    orders = {(p.roles.qkvif, p.roles.state) for p in proofs}
+    if len(orders) != 1:
+        raise Refused("several input assignments reproduce it")
+    return min(proofs, key=lambda p: p.error)
 
+
+def _try(nodes, runs, wants, roles) -> tuple:
+    """(the proof for one assignment or None, h's closest error, the values that would escape)."""
+    h, err = _last_match(nodes, runs, [w["h"] for w in wants])
+    if h is None:
+        return None, err, []
+    outputs = {"h": h}
+    members = set(nodes)
+    read_outside = [n for n in nodes if any(u not in members for u in n.users)]
+    for name in STATES:  # preferably a value the rest of the graph reads
+        node, e = _last_match(read_outside, runs, [w[name] for w in wants])
+        if node is None:
+            node, e = _last_match(nodes, runs, [w[name] for w in wants])
+        if node is not None:
+            outputs[name], err = node, max(err, e)
+    kept, _ = _cut(nodes, outputs)
+    inside = set(kept)
+    # a state equal to the op's but read only inside the region is no result
+    outputs = {name: n for name, n in outputs.items() if name == "h" or any(u not in inside for u in n.users)}
+    kept, escaped = _cut(nodes, outputs)
+    return (None if escaped else Proof(roles, outputs, kept, err)), err, escaped
+
+
+def _cut(nodes, outputs: dict) -> tuple[list, list]:
+    """(the nodes the op replaces, the values among them read outside): the region less what
+    only follows its results."""
+    outs = set(outputs.values())
+    members = set(nodes)
+    before, todo = set(outs), list(outs)
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a in members and a not in before:
+                before.add(a)
+                todo.append(a)
+    after, todo = set(), list(outs)
+    while todo:
+        for u in todo.pop().users:
+            if u in members and u not in after and u not in outs:
+                after.add(u)
+                todo.append(u)
+    kept = [n for n in nodes if n in before or n not in after]
+    inside = set(kept)
+    escaped = [n for n in kept if n not in outs and not regions.sizey(n) and any(u not in inside for u in n.users)]
+    return kept, escaped
+
+
+# ---- the replacement --------------------------------------------------------------------------
 
 def _eps(nodes) -> float:
     """The constant added to the normalizer (max(|n|, exp(-m)) + eps); 1e-6 if none is found."""
@@ -162,84 +306,138 @@ def _eps(nodes) -> float:
     return 1e-6
 
 
-def run(gm: torch.fx.GraphModule, report: GraphReport) -> None:
-    """Regions of the functions in KNOWN."""
-    for label, nodes in _regions(gm.graph):
-        reason = _replace_region(gm, report, label, nodes, ("zeros",))
-        if reason:
-            report.fallbacks.append(Fallback(FAMILY, f"{label}: {reason}", location(nodes[-1])))
+class _Builder:
+    """Inserts nodes with their fake values (later passes read them)."""
+
+    def __init__(self, graph, fake_mode):
+        self.graph, self.fake_mode = graph, fake_mode
+
+    def __call__(self, target, *args, **kwargs):
+        node = self.graph.call_function(target, args, kwargs)
+        if self.fake_mode is not None:
+            fargs, fkwargs = torch.fx.node.map_arg((args, kwargs), val)
+            with self.fake_mode:
+                node.meta["val"] = target(*fargs, **fkwargs)
+        return node
+
+    def scale(self, x, dk, power):
+        """x * DQK**power, for a static or a symbolic head dim."""
+        if isinstance(dk, torch.fx.Node):
+            return self(aten.mul.Tensor, x, self(operator.pow, dk, power))
+        return self(aten.mul.Tensor, x, float(dk) ** power)
+
+    def like(self, x, node):
+        """x in `node`'s dtype and trailing unit dim."""
+        want, got = val(node), val(x)
+        if got.dim() < want.dim():
+            x = self(aten.unsqueeze.default, x, -1)
+        if want.dtype != got.dtype:
+            x = self(aten._to_copy.default, x, dtype=want.dtype)
+        return x
+
+    def squeezed(self, x, rank):
+        return self(aten.squeeze.dim, x, -1) if val(x).dim() > rank else x
 
 
-def run_on_functions(gm: torch.fx.GraphModule, report: GraphReport, seeds) -> dict:
-    """mLSTM-like code the structural passes did not match, proven as a whole function: for each
-    seed (a logsigmoid left in the graph), the nodes of the user function that called it (by stack
-    trace, one connected region per call) go through the same checks and numeric proof as KNOWN
-    functions, with either start-state convention. This catches hand-written chunkwise code with
-    its loop unrolled, and other styles of the same math. {seed: None if replaced, else why not}."""
-    out: dict = {}
-    for seed in seeds:
-        if seed in out:  # part of a region already tried
-            continue
-        user = [fr for fr in _frames(seed) if not fr[0].startswith(_TORCH_DIR)]  # not inside nn.LogSigmoid etc.
-        if not user:
-            out[seed] = "no stack trace"
-            continue
-        frame = user[-1]
-        label = f"function {frame[1]}"
-        groups = _regions(gm.graph, lambda n, fr=frame: label if fr in _frames(n) else None)
-        nodes = next((g for _, g in groups if seed in g), None)
-        if nodes is None:
-            out[seed] = "no region"
-            continue
-        members = set(nodes)
-        reason = _replace_region(gm, report, label, nodes, ("none", "zeros"))
-        for other in seeds:
-            if other in members:
-                out[other] = reason
-    return out
+def _write_between(graph, inputs, lo, hi, region) -> torch.fx.Node | None:
+    """A write from outside the region into one of `inputs` (or memory they share) between graph
+    positions lo and hi: the op, reading them once, would see another value than the region."""
+    bases = {alias_base(x) for x in inputs}
+    for k, n in enumerate(graph.nodes):
+        if lo <= k <= hi and n not in region and any(alias_base(w) in bases for w in regions.writes(n)):
+            return n
+    return None
 
 
-def _replace_region(gm, report, label, nodes, kinds) -> str | None:
-    """Replace one region by xaccel.mlstm if it proves equal; None, or the reason it was not."""
-    graph = gm.graph
-    region = set(nodes)
-    where = location(nodes[-1])
-    inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in region))
-    outputs = [n for n in nodes if any(u not in region for u in n.users)]
-    if len(outputs) != 1 or not isinstance(val(outputs[0]), torch.Tensor):
-        return f"{len(outputs)} results leave the function (final states are not supported here)"
-    out = outputs[0]
-    eps = _eps(nodes)
-    with unset_fake_temporarily():
-        try:
-            order, kind = _verify(nodes, inputs, out, eps, kinds)  # kind: the state kind, or why not
-        except Exception as e:  # noqa: BLE001 - a region we cannot run is a region we do not replace
-            order, kind = None, f"could not run it for verification ({type(e).__name__}: {e})"
-    if order is None:
-        return f"not replaced, {kind}"
-    q, k, v, i, f = (inputs[x] for x in order)
-    dtype = val(q).dtype
-    if val(out).dtype != dtype:
-        return "result dtype differs from q's"
+def replace(gm: torch.fx.GraphModule, report, region: regions.Region, proof: Proof, eps: float) -> str:
+    """Insert the op for a proven region; its report detail."""
+    graph, roles, outs = gm.graph, proof.roles, proof.outputs
+    ins = [region.inputs[x] for x in roles.qkvif + (roles.state or ())]
+    q, k, v, i, f = ins[:5]
+    kept = set(proof.kept)
+    order = {n: j for j, n in enumerate(graph.nodes)}
+    anchor = max(ins, key=order.__getitem__)
+    readers = [u for o in outs.values() for u in o.users if u not in kept]
+    if any(order[u] <= order[anchor] for u in readers):
+        raise Refused("a result is read before all of its inputs exist")
+    lo = min(order[anchor], min(order[n] for n in proof.kept))
+    hi = max(order[n] for n in proof.kept)
+    if _write_between(graph, ins, lo, hi, kept) is not None:
+        raise Refused("an input is written in place while it runs")
     slower = kernel_refusal(val(q), val(k), val(v))
     if slower:
-        return f"left as written: {slower}; the op's reference would run instead, slower than this code"
-    with graph.inserting_before(out):
-        if kind == "zeros":
-            sizes = [graph.call_function(aten.sym_size.int, (q, d)) for d in range(4)]
-            dv = graph.call_function(aten.sym_size.int, (v, 3))
-            kw = dict(dtype=torch.float32, device=val(q).device)
-            state = (graph.call_function(aten.zeros.default, ([sizes[0], sizes[1], sizes[3], dv],), kw),
-                     graph.call_function(aten.zeros.default, ([sizes[0], sizes[1], sizes[3]],), kw),
-                     graph.call_function(aten.zeros.default, ([sizes[0], sizes[1]],), kw))
+        raise Refused(f"left as written: {slower}; the op's reference would run instead, slower than this code")
+    build = _Builder(graph, getattr(val(q), "fake_mode", None))
+    dk = val(q).shape[-1]
+    with graph.inserting_before(anchor.next):
+        dk_arg = dk if isinstance(dk, int) else build(aten.sym_size.int, q, -1)
+        if roles.target == "step":
+            C, n, m = ins[5:]
+            fused = build(torch.ops.xaccel.mlstm_step.default, q, k, v, build.squeezed(i, 2), build.squeezed(f, 2),
+                          C, n, build.squeezed(m, 2), eps, roles.scale_q)
+            got = dict(zip(("h", *STATES), (build(operator.getitem, fused, j) for j in range(4))))
         else:
-            state = (None, None, None)
-        fused = graph.call_function(torch.ops.xaccel.mlstm.default, (q, k, v, i, f, *state, eps, 64))
-        h = graph.call_function(operator.getitem, (fused, 0))
-    h.meta["val"] = val(out)
-    out.replace_all_uses_with(h, delete_user_cb=lambda u: u not in region)
-    for n in reversed(nodes):
+            fused = build(torch.ops.xaccel.mlstm.default, q, k, v, build.squeezed(i, 3), build.squeezed(f, 3),
+                          *_start_state(build, roles, ins, dk_arg), eps, 64)
+            got = dict(zip(("h", *STATES), (build(operator.getitem, fused, j) for j in range(4))))
+            if roles.scale_q:
+                got["C"], got["n"] = (build.scale(got[s], dk_arg, 0.5) for s in ("C", "n"))
+        new = {name: build.like(got[name], node) for name, node in outs.items()}
+    if outs["h"].meta.get("stack_trace"):
+        new["h"].meta["stack_trace"] = outs["h"].meta["stack_trace"]
+    for name, node in outs.items():
+        node.replace_all_uses_with(new[name], delete_user_cb=lambda u: u not in kept)
+    taken = [n.meta[REPORTED] for n in proof.kept if REPORTED in n.meta]  # steps now part of this region
+    report.replacements[:] = [r for r in report.replacements if not any(r is t for t in taken)]
+    for n in reversed(proof.kept):
         if not n.users:
             graph.erase_node(n)
-    report.replacements.append(Replacement(FAMILY, "xaccel.mlstm", f"{label} (verified numerically)", where))
-    return None
+    start = {"given": "from its start state", "zeros": "from a zero state", "none": "no start state"}[roles.start]
+    finals = [s for s in STATES if s in outs]
+    return f"{start}{', final ' + '/'.join(finals) if finals else ''}"
+
+
+def _start_state(build, roles, ins, dk_arg) -> tuple:
+    q, v = ins[0], ins[2]
+    if roles.start == "none":
+        return None, None, None
+    if roles.start == "given":
+        C, n, m = ins[5:]
+        if roles.scale_q:
+            C, n = build.scale(C, dk_arg, -0.5), build.scale(n, dk_arg, -0.5)
+        return C, n, build.squeezed(m, 2)
+    B, H, DK, DV = (build(aten.sym_size.int, q, 0), build(aten.sym_size.int, q, 1), build(aten.sym_size.int, q, 3),
+                    build(aten.sym_size.int, v, 3))
+    kw = dict(dtype=torch.float32, device=val(q).device)
+    return (build(aten.zeros.default, [B, H, DK, DV], **kw), build(aten.zeros.default, [B, H, DK], **kw),
+            build(aten.zeros.default, [B, H], **kw))
+
+
+def run(gm: torch.fx.GraphModule, ctx, seeds) -> list:
+    """Grow, prove and replace a region around each seed not yet inside one:
+    [(the region's nodes, None if replaced else why not, where)]."""
+    done: set = set()
+    results = []
+    for seed in seeds:
+        if seed in done or seed.graph is not gm.graph:
+            continue
+        region = regions.grow(gm.graph, seed)
+        if region is None:
+            continue
+        done.update(region.nodes)
+        where = location(seed)
+        eps = _eps(region.nodes)
+        try:
+            with unset_fake_temporarily():
+                proof = prove(region, eps)
+            where = location(proof.outputs["h"])
+            detail = replace(gm, ctx.report, region, proof, eps)
+        except Refused as e:
+            if DYNAMIC_EPS in str(e):
+                ctx.requests.add(CONSTANT_FLOATS)
+            results.append((set(region.nodes), str(e), where))
+            continue
+        family, op = ("mlstm_step", "xaccel.mlstm_step") if proof.roles.target == "step" else (FAMILY, "xaccel.mlstm")
+        ctx.report.replacements.append(Replacement(family, op, f"mLSTM proven numerically ({detail})", where))
+        results.append((set(region.nodes), None, where))
+    return results

@@ -33,6 +33,7 @@ from .matching import DynamicEps, NoMatch, example_int, expect, is_op
 
 FAMILY = "mlstm_step"
 aten = torch.ops.aten
+REPORTED = "xaccel_replacement"  # meta key: the report entry of an inserted op, dropped if a larger region takes it
 _CASTS = (aten.to.dtype, aten._to_copy.default)
 _MAX = (aten.maximum.default, aten.max.other)
 
@@ -258,6 +259,8 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             fused.meta["val"] = fakes
             for k, name in enumerate(("h", "C", "n", "m")):
                 got[name].meta["val"] = fakes[k] if not (name == "m" and gate_rank == 3) else fakes[k].unsqueeze(-1)
+            if gate_rank == 3:  # the getitem under the unsqueeze: later passes read its value too
+                got["m"].args[0].meta["val"] = fakes[3]
         for name, node in outs.items():
             node.replace_all_uses_with(got[name.split("@")[0]], delete_user_cb=lambda u: u not in region)
         order = {n: i for i, n in enumerate(graph.nodes)}
@@ -267,7 +270,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                 gone.add(n)
         report.replacements.append(Replacement(FAMILY, "xaccel.mlstm_step", "recurrent step (xlstm native form)",
                                                location(h)))
-        placed[fused] = report.replacements[-1]
+        placed[fused] = fused.meta[REPORTED] = report.replacements[-1]
     folded = fuse_step_loops(gm, report)
     drop = {id(placed[s]) for s in folded if s in placed}  # reported as part of a sequence launch instead
     report.replacements[:] = [r for r in report.replacements if id(r) not in drop]

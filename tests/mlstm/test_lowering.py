@@ -299,4 +299,4 @@ def test_hand_written_chunkwise_loop_is_proven_and_replaced(m_start):
     replaced: forward and gradients equal to eager."""
     report = check_compiled(lambda *a: chunkwise_unrolled(*a, m_start=m_start), _inputs(S=48, seed=11), tol=2e-5)
     assert report.counts()["mlstm"] == 1, str(report)
-    assert any("chunkwise_unrolled (verified numerically)" in r.pattern for r in report.replacements)
+    assert any("mLSTM proven numerically" in r.pattern for r in report.replacements)
