@@ -89,8 +89,8 @@ def _assignments(shapes: dict) -> list[Roles]:
 # ---- running the region and the op -------------------------------------------------------------
 
 class _Recorder(torch.fx.Interpreter):
-    """Runs the region, keeping a copy of every float tensor as it is when computed (later
-    in-place writes into a buffer do not change what an earlier node showed)."""
+    """Runs the region, keeping a copy of each float tensor of a result's shape as it is when
+    computed (later in-place writes into a buffer do not change what an earlier node showed)."""
 
     def __init__(self, gm, keep):
         super().__init__(gm)
@@ -103,20 +103,39 @@ class _Recorder(torch.fx.Interpreter):
         return out
 
 
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def _in_fp32(x):
+    """Arguments with fp16/bf16 dtypes (casts, buffers) as fp32: the proof checks the region's math,
+    which its low-precision rounding only blurs; the op computes in fp32 anyway."""
+    if isinstance(x, torch.dtype):
+        return torch.float32 if x in _LOW else x
+    if isinstance(x, (tuple, list)):
+        return type(x)(_in_fp32(a) for a in x)
+    if isinstance(x, dict):
+        return {k: _in_fp32(a) for k, a in x.items()}
+    return x
+
+
 def _extract(nodes, inputs) -> tuple[torch.fx.GraphModule, dict]:
     g = torch.fx.Graph()
     env = {x: g.placeholder(f"in{k}") for k, x in enumerate(inputs)}
     names = {}
     for n in nodes:
         env[n] = g.node_copy(n, lambda a: env[a])
+        env[n].args, env[n].kwargs = _in_fp32(env[n].args), _in_fp32(env[n].kwargs)
         names[env[n].name] = n
     g.output(None)
     return torch.fx.GraphModule(torch.nn.Module(), g), names
 
 
-def _run(nodes, inputs, values) -> dict:
+def _run(nodes, inputs, values, shapes: set) -> dict:
+    """{node: its value} for the nodes whose shape is in `shapes`."""
     gm, names = _extract(nodes, inputs)
-    rec = _Recorder(gm, names)
+    keep = {name: n for name, n in names.items()
+            if isinstance(val(n), torch.Tensor) and _concrete_shape(val(n)) in shapes}
+    rec = _Recorder(gm, keep)
     with torch.no_grad():
         rec.run(*values)
     return rec.seen
@@ -149,6 +168,13 @@ def _expected(roles: Roles, vals: list, eps: float) -> dict:
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _result_shapes(roles: Roles, shapes: dict) -> list:
+    """The shapes h and the final states may have under `roles` (m also [B, NH, 1])."""
+    Q, V = shapes[roles.qkvif[0]], shapes[roles.qkvif[2]]
+    B, H, DK, DV = Q[0], Q[1], Q[-1], V[-1]
+    return [V, (B, H, DK, DV), (B, H, DK), (B, H), (B, H, 1), V + (1,), (B, H, DK, 1)]
 
 
 def _fits(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -226,9 +252,11 @@ def prove(region: regions.Region, eps: float) -> Proof:
     base = [_example(val(x), gen) for x in inputs]
     proofs, closest, escapes = [], float("inf"), []
     for gates, group in itertools.groupby(sorted(candidates, key=lambda r: r.qkvif[3:]), key=lambda r: r.qkvif[3:]):
+        group = list(group)
+        shapes = {s for r in group for s in _result_shapes(r, roled)}
         regimes = [_regime(base, gates, shift) for shift in _REGIMES]
         try:
-            runs = [_run(region.nodes, inputs, vals) for vals in regimes]
+            runs = [_run(region.nodes, inputs, vals, shapes) for vals in regimes]
         except Exception as e:  # noqa: BLE001 - a region we cannot run is a region we do not replace
             raise Refused(f"could not run it on random inputs ({type(e).__name__}: {e})") from None
         for roles in group:

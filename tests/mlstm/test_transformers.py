@@ -109,3 +109,17 @@ def test_training_gradients_equal_eager(modeling):
     assert max(rel_err(a, b) for a, b in zip(got[1], want[1])) <= TOL
     assert report.counts()["mlstm"] == 2, str(report)
     assert _no_inner_gemm_fallbacks(report), str(report)
+
+
+def test_bf16_model_is_proven_in_fp32_and_replaced(modeling):
+    """A bf16 model's mLSTM (bf16 buffers and casts inside) is proven with its math in fp32 and
+    replaced; the op computes in fp32, so the logits stay near the fp32 model's."""
+    model = _model(modeling, mode="train").eval()
+    tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        truth = model(tokens).logits
+        model.to(torch.bfloat16)
+        got = torch.compile(model, backend="xaccel")(tokens).logits
+    report = torch_xaccel.last_report()
+    assert report.counts()["mlstm"] == 2, str(report)
+    assert rel_err(got, truth) <= 1e-2
