@@ -240,8 +240,9 @@ def prove(region: regions.Region, eps: float) -> Proof:
         raise Refused(f"it reads a Python float from outside ({floats[0].name}): {DYNAMIC_EPS}")
     candidates = _assignments(roled)
     if not candidates:
-        raise Refused(f"its {len(roled)} input tensors {sorted(roled.values())} are not q, k, v, i, f "
-                      "(and start states) by their shapes")
+        shown = ", ".join(str(list(t)) for t in sorted(roled.values())[:6]) + (", ..." if len(roled) > 6 else "")
+        raise Refused(f"its {len(roled)} input tensors ({shown}) are not q, k, v, i, f (and start states) by "
+                      "their shapes")
     seq = [r for r in candidates if r.target == "sequence"]
     for r in seq:
         B, H, S = roled[r.qkvif[0]][:3]
