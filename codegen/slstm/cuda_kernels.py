@@ -155,15 +155,12 @@ def _run(kernel_name: str, cfg: dict, Wx, fresh, clamp_gates, clamp_n, save, *ar
     cc.launch(_stream(cc, device), config, kernel, *args)
 
 
-def _exchange_buffers(Wx, cfg: dict, nbytes_per_group: int) -> tuple:
-    """The global exchange's buffers (none for clusters): the exchanged data and one step counter
-    per group, zeroed (a counter only grows within one launch)."""
+def _exchange_buffer(Wx, cfg: dict, data_bytes_per_group: int) -> tuple:
+    """The global exchange's buffer of flagged words (none for clusters): 8 bytes per 4 of data,
+    zeroed (no word carries a step's tag before that step writes it)."""
     if cfg["exchange"] != "global":
         return ()
-    groups = _groups(Wx)
-    data = torch.empty(groups * nbytes_per_group, dtype=torch.uint8, device=Wx.device)
-    counters = torch.zeros(groups, dtype=torch.int32, device=Wx.device)
-    return data, counters
+    return torch.zeros(_groups(Wx) * 2 * data_bytes_per_group, dtype=torch.uint8, device=Wx.device),
 
 
 _SHARED_SET: dict = {}
@@ -199,7 +196,7 @@ def launch(cfg: dict, Wx, R, b, h0, c0, n0, m0, first_fresh, fresh, clamp_gates,
             out.copy_(s) if s is not None else out.zero_()
         return (y, *finals, *kept) if save else (y, *finals)
     flag = first_fresh if isinstance(first_fresh, torch.Tensor) else None
-    exchange = _exchange_buffers(Wx, cfg, 2 * configs.BT * D * 2)  # h_t double buffered, 16-bit
+    exchange = _exchange_buffer(Wx, cfg, 2 * configs.BT * D * 2)  # h_t double buffered, 16-bit
     _run("forward", cfg, Wx, fresh, clamp_gates, clamp_n, save,
          _ptr(Wx), Wx.stride(0), Wx.stride(1), _ptr(R), _ptr(b), _ptr(h0), _ptr(c0), _ptr(n0), _ptr(m0), _ptr(flag),
          _int(0 if flag is not None else int(first_fresh)), _ptr(y), *(_ptr(f) for f in finals), _ptr(kept[0]),
@@ -341,7 +338,7 @@ def backward(key, gy, ghT, gcT, gnT, gmT, Wx, R, b, h0, c0, n0, m0, fresh, clamp
     if T > 0:
         flag = first_fresh if isinstance(first_fresh, torch.Tensor) else None
         share = configs.share_bytes(Wx.dtype)
-        exchange = _exchange_buffers(Wx, cfg, 2 * cfg["C"] * configs.BT * D * share)  # [2][owner][sender][BT][U]
+        exchange = _exchange_buffer(Wx, cfg, 2 * cfg["C"] * configs.BT * D * share)  # [2][owner][sender][BT][U]
         _run("backward", cfg, W, fresh, clamp_gates, clamp_n, False,
              _ptr(raw), _ptr(cnm), _ptr(Rc), *(_ptr(s) for s in states[1:]), _ptr(flag),
              _int(0 if flag is not None else int(first_fresh)), _ptr(dy), *(_ptr(f) for f in finals), _ptr(dWx),

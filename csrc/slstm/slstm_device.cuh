@@ -172,50 +172,43 @@ __device__ __forceinline__ void store_async_v2(u32 address, float x, float y, u3
 }
 
 // ---- exchange through global memory (the grid kernels: heads wider than one cluster holds, GPUs
-// without clusters). The CTAs of one head count their finished steps on one global counter; the
-// data they exchange is read back through L2 only (.cg), since L1 is not coherent across SMs.
-// The launch is cooperative, so every CTA a counter waits for is resident.
-__device__ __forceinline__ void grid_arrive(unsigned int* counter) {
-    __syncthreads();  // every thread's stores of this step are issued before thread 0's release
-    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(counter) : "memory");
+// without clusters). The launch is cooperative, so every CTA a reader waits for is resident.
+// ---- flagged words: 32 bits of data beside 32 bits of the step that wrote them, one 64-bit
+// access (single-copy atomic), so a reader that sees the step's tag sees its data: no counter,
+// no fence, one trip through L2 (buffers start zeroed; tags start at 1)
+__device__ __forceinline__ void store_flagged(void* p, u32 data, u32 tag) {
+    const u64_t word = ((u64_t)tag << 32) | data;
+    asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" :: "l"(p), "l"(word) : "memory");
 }
 
-__device__ __forceinline__ void grid_wait(const unsigned int* counter, unsigned int target) {
-    if (threadIdx.x == 0) {
-        unsigned int seen;
-        do {
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
-        } while (seen < target);
-    }
-    __syncthreads();
+// two flagged words (16 bytes, 16-byte aligned)
+__device__ __forceinline__ void store_flagged2(void* p, u32 d0, u32 d1, u32 tag) {
+    const u64_t w0 = ((u64_t)tag << 32) | d0, w1 = ((u64_t)tag << 32) | d1;
+    asm volatile("st.relaxed.gpu.global.v2.b64 [%0], {%1, %2};" :: "l"(p), "l"(w0), "l"(w1) : "memory");
 }
 
-// 16 bytes from global memory (through L2, skipping L1) into shared memory
-__device__ __forceinline__ void copy_async_16_cg(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(shared_address(dst)), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ uint4 load_cg_v4(const void* p) {
-    uint4 v;
-    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p)
-                 : "memory");
-    return v;
-}
-
-// BYTES (a multiple of 16) from global memory through L2 into shared memory by NTHREADS threads:
-// every load issued before the first store, so the L2 latency is paid once
-template <int BYTES, int NTHREADS_>
-__device__ __forceinline__ void copy_cg(unsigned char* dst, const unsigned char* src) {
+// the BYTES / 2 data bytes of BYTES of flagged words (16 bytes per load, two words) into dst,
+// once every word carries `tag`; each thread spins on its own loads only
+template <int BYTES, int NTHREADS_, typename Place>
+__device__ __forceinline__ void receive_flagged(const unsigned char* src, u32 tag, Place place) {
     constexpr int N = BYTES / 16, ITER = (N + NTHREADS_ - 1) / NTHREADS_;
-    uint4 v[ITER];
+    static_assert(ITER <= 32, "one pending bit per load");
+    u32 pending = 0;
 #pragma unroll
-    for (int i = 0; i < ITER; ++i) {
-        const int k = threadIdx.x + i * NTHREADS_;
-        if (k < N) v[i] = load_cg_v4(src + k * 16);
-    }
+    for (int i = 0; i < ITER; ++i)
+        if (threadIdx.x + i * NTHREADS_ < N) pending |= 1u << i;
+    u64_t lo[ITER], hi[ITER];
+    while (pending) {
 #pragma unroll
-    for (int i = 0; i < ITER; ++i) {
-        const int k = threadIdx.x + i * NTHREADS_;
-        if (k < N) *(uint4*)(dst + k * 16) = v[i];
+        for (int i = 0; i < ITER; ++i)
+            if (pending >> i & 1)
+                asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];" : "=l"(lo[i]), "=l"(hi[i])
+                             : "l"(src + (threadIdx.x + i * NTHREADS_) * 16) : "memory");
+#pragma unroll
+        for (int i = 0; i < ITER; ++i)
+            if ((pending >> i & 1) && (u32)(lo[i] >> 32) == tag && (u32)(hi[i] >> 32) == tag) {
+                place(threadIdx.x + i * NTHREADS_, (u32)lo[i], (u32)hi[i]);  // words 2k, 2k + 1
+                pending &= ~(1u << i);
+            }
     }
 }
