@@ -231,14 +231,14 @@ def _regime(base: list, gates: tuple, shift: tuple) -> list:
     return out
 
 
-def prove(region: regions.Region, eps: float) -> Proof:
+def prove(region: regions.Region, eps: float, targets=("sequence", "step")) -> Proof:
     inputs = region.inputs
     roled = {k: _concrete_shape(val(x)) for k, x in enumerate(inputs)
              if isinstance(val(x), torch.Tensor) and x not in region.size_inputs}
     floats = [x for x in inputs if not isinstance(val(x), torch.Tensor) and not isinstance(val(x), torch.SymInt)]
     if floats:
         raise Refused(f"it reads a Python float from outside ({floats[0].name}): {DYNAMIC_EPS}")
-    candidates = _assignments(roled)
+    candidates = [r for r in _assignments(roled) if r.target in targets]
     if not candidates:
         shown = ", ".join(str(list(t)) for t in sorted(roled.values())[:6]) + (", ..." if len(roled) > 6 else "")
         raise Refused(f"its {len(roled)} input tensors ({shown}) are not q, k, v, i, f (and start states) by "
@@ -442,11 +442,21 @@ def _start_state(build, roles, ins, dk_arg) -> tuple:
             build(aten.zeros.default, [B, H], **kw))
 
 
+def _analysed(region, eps, targets) -> Proof:
+    try:
+        return prove(region, eps, targets)
+    except Refused:
+        raise
+    except Exception as e:  # noqa: BLE001 - a region we cannot analyse is a region we do not replace
+        raise Refused(f"could not be analysed ({type(e).__name__}: {e})") from None
+
+
 def run(gm: torch.fx.GraphModule, ctx, seeds) -> list:
     """Grow, prove and replace a region around each seed not yet inside one:
     [(the region's nodes, None if replaced else why not, where)]."""
     done: set = set()
     results = []
+    targets = ("sequence", "step") if "mlstm_step" in ctx.config.patterns else ("sequence",)
     for seed in seeds:
         if seed in done or seed.graph is not gm.graph:
             continue
@@ -458,7 +468,7 @@ def run(gm: torch.fx.GraphModule, ctx, seeds) -> list:
         eps = _eps(region.nodes)
         try:
             with unset_fake_temporarily():
-                proof = prove(region, eps)
+                proof = _analysed(region, eps, targets)
             where = location(proof.outputs["h"])
             detail = replace(gm, ctx.report, region, proof, eps)
         except Refused as e:

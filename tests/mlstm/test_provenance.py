@@ -133,16 +133,24 @@ def test_chunkwise_code_with_final_states_and_code_after_it(dynamic):
     assert "from a zero state, final C/n/m" in _mlstm_lines(report)[0].pattern
 
 
+def _step_inputs(seed=5, B=3, H=2, DK=8, DV=6):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).requires_grad_()  # noqa: E731
+    return [mk(B, H, DK), mk(B, H, DK), mk(B, H, DV), mk(B, H, 1), mk(B, H, 1), mk(B, H, DK, DV), mk(B, H, DK),
+            mk(B, H, 1)]
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_single_hand_written_step_is_mlstm_step(dynamic):
-    g = torch.Generator().manual_seed(5)
-    mk = lambda *s: torch.randn(*s, generator=g).requires_grad_()  # noqa: E731
-    B, H, DK, DV = 3, 2, 8, 6
-    x = [mk(B, H, DK), mk(B, H, DK), mk(B, H, DV), mk(B, H, 1), mk(B, H, 1), mk(B, H, DK, DV), mk(B, H, DK),
-         mk(B, H, 1)]
-    report = check_compiled(one_step, x, dynamic=dynamic, tol=TOL)
+    report = check_compiled(one_step, _step_inputs(), dynamic=dynamic, tol=TOL)
     assert report.counts()["mlstm_step"] == 1, str(report)
     assert "mLSTM proven numerically (from its start state, final C/n/m)" in _mlstm_lines(report)[0].pattern
+
+
+def test_single_step_follows_the_step_pattern_switch(xaccel_env):
+    xaccel_env(XACCEL_PATTERNS="mlstm,gemm_epilogue")
+    report = check_compiled(one_step, _step_inputs(seed=9), tol=1e-6)
+    assert report.counts()["mlstm_step"] == 0 and report.counts()["mlstm"] == 0, str(report)
 
 
 def test_a_changed_gate_is_refused_and_reported_once():
