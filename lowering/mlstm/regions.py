@@ -189,11 +189,14 @@ def _release_shared_constants(region: set, constant, held_out: set) -> bool:
     become inputs: the region must not own a buffer the rest of the graph sees (a cache the model
     writes the final states back into). True if any did."""
     released = False
-    for n in [n for n in region if constant(n) and not sizey(n)]:
-        base = alias_base(n)
-        if n not in region or base in held_out:
+    families: dict = {}
+    for m in region:
+        families.setdefault(alias_base(m), []).append(m)
+    bases = {alias_base(n) for n in region if constant(n) and not sizey(n)}
+    for base in bases:
+        if base in held_out:
             continue
-        family = [m for m in region if alias_base(m) is base]
+        family = families.get(base, [])
         # a view read outside may be a result (the final state sliced from the chunk states); the
         # buffer itself read outside, or any write from outside, is shared
         read = any(u not in region and u.target not in _SIZES for u in base.users) if base in region else False
