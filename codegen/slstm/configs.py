@@ -3,7 +3,7 @@ exchange h (`exchange`), how each CTA's warps share its slice of R, and how deep
 
 Two exchanges: "cluster" (the C CTAs of a head form one thread-block cluster, sm_90: h goes
 through distributed shared memory) and "global" (the C CTAs form a group of a cooperative grid:
-h goes through L2 with one counter per group; heads wider than one cluster holds, and GPUs
+h goes through L2 as flagged words; heads wider than one cluster holds, and GPUs
 without clusters). A global configuration also needs every CTA of the launch resident at once,
 one per SM: `max_group` bounds C by the SMs over the launch's groups.
 

@@ -117,13 +117,19 @@ def plan(Wx) -> tuple[str, int | None] | str:
     """(exchange, max_group) of this case's kernels, or why none runs (for the report). Clusters
     where the head fits one (sm_90); else a cooperative grid of one CTA per SM: max_group is how
     many CTAs each (head, batch tile) group may have."""
-    D = Wx.shape[-1]
-    if torch.cuda.get_device_capability(Wx.device) >= (9, 0) and configs.default(D) is not None:
+    return _plan(Wx.shape[0], Wx.shape[3], Wx.shape[-1], torch.cuda.get_device_capability(Wx.device),
+                 _sm_count(Wx.device))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(B: int, NH: int, D: int, capability: tuple, sms: int):
+    """plan() per shape and device: a call asks several times (forward, tuning, backward)."""
+    if capability >= (9, 0) and configs.default(D) is not None:
         return "cluster", None
-    groups, sms = _groups(Wx), _sm_count(Wx.device)
+    groups = NH * math.ceil(B / configs.BT)
     if configs.default(D, "global", sms // groups) is not None:
         return "global", sms // groups
-    return (f"head dim {D} at B{Wx.shape[0]} NH{Wx.shape[3]}: R fits neither one cluster nor {groups} group(s) of "
+    return (f"head dim {D} at B{B} NH{NH}: R fits neither one cluster nor {groups} group(s) of "
             f"CTAs, one per SM, on the {sms} SMs")
 
 

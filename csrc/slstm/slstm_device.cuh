@@ -172,8 +172,8 @@ __device__ __forceinline__ void store_async_v2(u32 address, float x, float y, u3
 }
 
 // ---- exchange through global memory (the grid kernels: heads wider than one cluster holds, GPUs
-// without clusters). The launch is cooperative, so every CTA a reader waits for is resident.
-// ---- flagged words: 32 bits of data beside 32 bits of the step that wrote them, one 64-bit
+// without clusters; the launch is cooperative, so every CTA a reader waits for is resident):
+// flagged words, 32 bits of data beside 32 bits of the step that wrote them, one 64-bit
 // access (single-copy atomic), so a reader that sees the step's tag sees its data: no counter,
 // no fence, one trip through L2 (buffers start zeroed; tags start at 1)
 __device__ __forceinline__ void store_flagged(void* p, u32 data, u32 tag) {
