@@ -16,6 +16,12 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HEAD_DIMS = (16, 32, 64, 128, 256, 512)
 
 
+def padded(D: int) -> int | None:
+    """The head dim the kernels run D at: the smallest of HEAD_DIMS >= D (a head dim between them
+    runs zero-padded: triton_kernels._padding), or None above them."""
+    return next((d for d in HEAD_DIMS if d >= D), None)
+
+
 INTERPRETER_CONFIG = dict(L=16, BV=16, BK=16, BVS=16, warps=4, stages=1)
 
 

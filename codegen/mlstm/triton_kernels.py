@@ -157,7 +157,7 @@ def _supported(q, k, v, S, phase: str) -> bool:
         return False  # Triton's interpreter computes bf16 dots wrongly: the reference runs
     if _uncovered(q.dtype, k.dtype, v.dtype, DK, DV) or not (S > 0 and max(q.numel(), v.numel()) < INT32_LIMIT):
         return False  # (int32 offsets: larger tensors run the reference)
-    return interpreting() or configs.any_config_fits(phase, DK, DV, q.element_size())
+    return interpreting() or configs.any_config_fits(phase, configs.padded(DK), configs.padded(DV), q.element_size())
 
 
 def why_not(q, k, v) -> str | None:
@@ -172,8 +172,8 @@ def _uncovered(q_dtype, k_dtype, v_dtype, DK: int, DV: int) -> str | None:
     """Why the templates do not cover these dtypes and head dims (None: they do)."""
     if q_dtype not in configs.DTYPES or k_dtype != q_dtype or v_dtype != q_dtype:
         return f"no mLSTM kernel for {q_dtype} / {k_dtype} / {v_dtype}"
-    if DK not in configs.HEAD_DIMS or DV not in configs.HEAD_DIMS:
-        return f"no mLSTM kernel for head dims {DK}/{DV} (the kernels take {', '.join(map(str, configs.HEAD_DIMS))})"
+    if configs.padded(DK) is None or configs.padded(DV) is None:
+        return f"no mLSTM kernel for head dims {DK}/{DV} (the kernels take head dims up to {configs.HEAD_DIMS[-1]})"
     return None
 
 
@@ -181,7 +181,7 @@ def why_not_on_cuda(q_dtype, k_dtype, v_dtype, DK: int, DV: int) -> str | None:
     uncovered = _uncovered(q_dtype, k_dtype, v_dtype, DK, DV)
     if uncovered:
         return uncovered
-    if not configs.any_config_fits("fwd", DK, DV, q_dtype.itemsize):
+    if not configs.any_config_fits("fwd", configs.padded(DK), configs.padded(DV), q_dtype.itemsize):
         return f"no mLSTM kernel configuration fits head dims {DK}/{DV} in {q_dtype}"
     return None
 
@@ -202,12 +202,13 @@ def _rows(*ts: torch.Tensor) -> list[int]:
     return [ts[0].shape[1]] + [st for t in ts for st in t.stride()[:3]]
 
 
-def chunk_states(k, v, i, f, C0, n0, m0, cfg):
+def chunk_states(k, v, i, f, C0, n0, m0, cfg, scale=None):
     """Run the sequential scan: (Cs, ns, ms) the state entering each chunk ([B*H*NC*DK*DV] in the
     input dtype, [.. DK] and [..] fp32) and the final state (C, n, m) in fp32: mlstm_chunk_gates
     prepares every chunk's gate terms in parallel, then mlstm_chunk_states walks the chunks with
-    one matmul per step."""
+    one matmul per step. scale: of q k^T (default DK^-0.5; a zero-padded head passes its own)."""
     B, H, S, DK = k.shape
+    scale = DK ** -0.5 if scale is None else scale
     DV = v.shape[-1]
     L, BK, BVS, stages = cfg["L"], cfg["BK"], cfg["BVS"], cfg["stages"]
     NC = -(-S // L)
@@ -233,7 +234,7 @@ def chunk_states(k, v, i, f, C0, n0, m0, cfg):
     _launch(_kernel("mlstm_chunk_states.py.jinja", k.dtype, has_state=has_state, gate_factors=gate_factors,
                     loads_first=bool(cfg.get("LF"))),
         (B * H, DK // BK, DV // BVS), k, v, i, f, C0, n0, m0, Cs, ns, ms, C, n, m, *gates, *_rows(k, v, i, f), S, NC,
-        DK ** -0.5, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=configs.scan_warps(cfg), num_stages=stages)
+        scale, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=configs.scan_warps(cfg), num_stages=stages)
     return (Cs, ns, ms), (C, n, m)
 
 
@@ -249,12 +250,56 @@ def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size, keep_chunk_states=F
             keep_chunk_states and not configs.keeping_forward_fits(q.shape[-1], v.shape[-1], q.element_size(),
                                                                    chunk_size):
         return NotImplemented
+    padding = _padding(q.shape[-1], v.shape[-1])
+    if padding:  # (a keeping forward's states would not have the op's shapes: the lowering asks for none here)
+        return NotImplemented if keep_chunk_states else _padded_forward(padding, q, k, v, i, f, C0, n0, m0, eps)
     q, k, v, i, f = (_strided(t) for t in (q, k, v, i, f))
     if not keep_chunk_states:
         cfg = _tuned("fwd", q, v, lambda c: _forward(c, q, k, v, i, f, C0, n0, m0, eps))
         return _forward(cfg, q, k, v, i, f, C0, n0, m0, eps)
     run = lambda c: _forward_keeping(c, q, k, v, i, f, C0, n0, m0, eps, chunk_size)  # noqa: E731
     return run(_tuned("fwd", q, v, run, kept=True, chunk=chunk_size))
+
+
+def _padding(DK: int, DV: int) -> tuple[int, int] | None:
+    """(DK, DV) zero columns to add where a head dim lies between the kernels' sizes, else None.
+    Zero q and k columns add nothing to q k^T, q.n or the states' rows, zero v columns give zero
+    h and state columns, and the scale stays the true DK^-0.5: the cut outputs are the unpadded
+    op's, for a copy of the inputs and outputs and up to twice the work (384 runs as 512)."""
+    pk, pv = configs.padded(DK) - DK, configs.padded(DV) - DV
+    return (pk, pv) if pk or pv else None
+
+
+def _pad(t, *widths):
+    """t zero-padded at the end of its last len(widths) dims (widths outermost first); None stays."""
+    import torch.nn.functional as F
+
+    if t is None or not any(widths):
+        return t
+    return F.pad(t, [p for w in reversed(widths) for p in (0, w)])
+
+
+def _padded_forward(padding, q, k, v, i, f, C0, n0, m0, eps):
+    DK, DV = q.shape[-1], v.shape[-1]
+    pk, pv = padding
+    q, k, v, C0, n0 = _pad(q, pk), _pad(k, pk), _pad(v, pv), _pad(C0, pk, pv), _pad(n0, pk)
+    i, f = _strided(i), _strided(f)
+    run = lambda c: _forward(c, q, k, v, i, f, C0, n0, m0, eps, scale=DK ** -0.5)  # noqa: E731
+    h, C, n, m = run(_tuned("fwd", q, v, run))
+    return h[..., :DV], C[..., :DK, :DV], n[..., :DK], m
+
+
+def _padded_backward(padding, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h):
+    """The gradients of the padded op, cut (ops/mlstm/op puts them in the layout its fake promises)."""
+    DK, DV = q.shape[-1], v.shape[-1]
+    pk, pv = padding
+    q, k, v, h, dh = _pad(q, pk), _pad(k, pk), _pad(v, pv), _pad(h, pv), _pad(dh, pv)
+    C0, n0, gC, gn = _pad(C0, pk, pv), _pad(n0, pk), _pad(gC, pk, pv), _pad(gn, pk)
+    i, f = _strided(i), _strided(f)
+    run = lambda c: _backward(c, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, scale=DK ** -0.5)  # noqa: E731
+    dq, dk, dv, di, df, dC0, dn0, dm0 = run(_tuned("bwd", q, v, run))
+    cut = [dq[..., :DK], dk[..., :DK], dv[..., :DV], di, df]
+    return cut + ([None] * 3 if dC0 is None else [dC0[..., :DK, :DV], dn0[..., :DK], dm0])
 
 
 def forward_keeping_states(key, q, *args):
@@ -287,16 +332,17 @@ def backward_reads_kept_states(device_type: str, dtype: torch.dtype, DK: int, DV
     return device_type == "cuda" and bool(cands) and all(c["L"] == chunk_size for c in cands)
 
 
-def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, keep=False):
+def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, keep=False, scale=None):
     """keep: also return the chunk states and each row's (den_t, m_t) [B*H, 2, S] fp32."""
     B, H, S, DK = q.shape
+    scale = DK ** -0.5 if scale is None else scale
     DV = v.shape[-1]
     L = cfg["L"]
-    (Cs, ns, ms), (C, n, m) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
+    (Cs, ns, ms), (C, n, m) = chunk_states(k, v, i, f, C0, n0, m0, cfg, scale)
     h = torch.empty(B, H, S, DV, dtype=q.dtype, device=q.device)
     rows = torch.empty(B * H * 2 * S, dtype=torch.float32, device=q.device) if keep else None
     NC = -(-S // L)
-    args = (q, k, v, i, f, h, Cs, ns, ms, *((rows,) if keep else ()), *_rows(q, k, v, i, f), S, NC, DK ** -0.5, eps)
+    args = (q, k, v, i, f, h, Cs, ns, ms, *((rows,) if keep else ()), *_rows(q, k, v, i, f), S, NC, scale, eps)
     meta = dict(DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=cfg["warps"], num_stages=cfg["stages"])
     if cfg.get("BKQ"):  # the sliced output kernel (SLICED)
         meta["BKQ"] = cfg["BKQ"]
@@ -314,10 +360,22 @@ def step(key, q, k, v, i, f, C, n, m, eps, scale_q=False):
     DV = v.shape[-1]
     if q.dtype == torch.bfloat16 and interpreting():
         return NotImplemented  # Triton's interpreter computes bf16 dots wrongly: the reference runs
-    if q.dtype not in configs.DTYPES or DK not in configs.HEAD_DIMS or DV not in configs.HEAD_DIMS \
-            or not all(t.dtype == q.dtype for t in (k, v)) \
-            or B * H * DK * DV >= INT32_LIMIT:  # int32 offsets into the state
+    if _uncovered(q.dtype, k.dtype, v.dtype, DK, DV) \
+            or B * H * configs.padded(DK) * configs.padded(DV) >= INT32_LIMIT:  # int32 offsets into the state
         return NotImplemented
+    q_scale, k_scale = (DK ** -0.5, 1.0) if scale_q else (1.0, DK ** -0.5)
+    padding = _padding(DK, DV)
+    if padding:
+        pk, pv = padding
+        q, k, v, C, n = _pad(q, pk), _pad(k, pk), _pad(v, pv), _pad(C, pk, pv), _pad(n, pk)
+        h, C2, n2, m2 = _step(q, k, v, i, f, C, n, m, q_scale, k_scale, eps)
+        return h[..., :DV].contiguous(), C2[..., :DK, :DV].contiguous(), n2[..., :DK].contiguous(), m2
+    return _step(q, k, v, i, f, C, n, m, q_scale, k_scale, eps)
+
+
+def _step(q, k, v, i, f, C, n, m, q_scale, k_scale, eps):
+    B, H, DK = q.shape
+    DV = v.shape[-1]
     q, k, v, i, f = (t.contiguous() for t in (q, k, v, i, f))
     C, n, m = (t.float().contiguous() for t in (C, n, m))
     h = torch.empty(B, H, DV, dtype=q.dtype, device=q.device)
@@ -328,7 +386,6 @@ def step(key, q, k, v, i, f, C, n, m, eps, scale_q=False):
         name = "mlstm_step_" + hashlib.sha256(b"mlstm_step|v2").hexdigest()[:12]
         src = TEMPLATES.render("mlstm_step.py.jinja", kernel_name=name)
         _KERNELS[key] = getattr(cache.load_source(name, src), name)
-    q_scale, k_scale = (DK ** -0.5, 1.0) if scale_q else (1.0, DK ** -0.5)
     # eps as a float: the compiled kernel's argument type must not depend on how a caller spelled it
     args, meta, grid = ((q, k, v, i, f, C, n, m, h, C2, n2, m2, q_scale, k_scale, float(eps)),
                         dict(DK=DK, DV=DV, BV=BV), (B * H, DV // BV))
@@ -372,6 +429,9 @@ def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=
     gC = torch.zeros(B, H, DK, DV, device=dev, dtype=f32) if gC is None else gC.float().contiguous()
     gn = torch.zeros(B, H, DK, device=dev, dtype=f32) if gn is None else gn.float().contiguous()
     gm = torch.zeros(B, H, device=dev, dtype=f32) if gm is None else gm.float()
+    padding = _padding(DK, DV)
+    if padding:
+        return _padded_backward(padding, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h)
     kept = _kept_states(chunk_states, q, v, chunk_size)
     cfg = _tuned("bwd", q, v, lambda c: _backward(c, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept),
                  kept=kept is not None)
@@ -438,10 +498,11 @@ def gates_from_row_sums(rs, cdc, dmT, B: int, H: int, S: int, L: int):
     return r[:, :, 1], (d.flip(-1).cumsum(-1).flip(-1) + ends[..., None]).view(B, H, NC * L)[..., :S]
 
 
-def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None):
+def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None, scale=None):
     import torch.nn.functional as F
 
     B, H, S, DK = q.shape
+    scale = DK ** -0.5 if scale is None else scale
     DV = v.shape[-1]
     dev, f32 = q.device, torch.float32
     L, BK, BVS, warps, stages = cfg["L"], cfg["BK"], cfg["BVS"], cfg["warps"], cfg["stages"]
@@ -453,7 +514,7 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
         (Cs, ns, ms), rows, (CT, nT, mT) = kept[1:]
         rows = rows if switches.saved_rows else None
     else:
-        (Cs, ns, ms), (CT, nT, mT) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
+        (Cs, ns, ms), (CT, nT, mT) = chunk_states(k, v, i, f, C0, n0, m0, cfg, scale)
     N, dden, dm = (torch.empty(B, H, S, device=dev, dtype=f32) for _ in range(3))
     # the scan's row factors r/N, r dden [B, H, S] and each chunk's log forget product g [B*H*NC]
     factors = [torch.empty(n, device=dev, dtype=f32) for n in (B * H * S, B * H * S, B * H * NC)] \
@@ -461,7 +522,7 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     saved = (rows,) if rows is not None else ()
     _launch(_kernel("mlstm_bwd_rows.py.jinja", q.dtype, row_factors=row_factors, saved_rows=bool(saved)),
         (B * H, NC), q, k, i, f, h, dh, ns, ms, *saved, N, dden, dm, *factors, *_rows(q, k, i, f, dh),
-        S, NC, DK ** -0.5, eps, DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
+        S, NC, scale, eps, DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     dCs, dns = torch.empty_like(Cs), torch.empty_like(ns)
     dC0, dn0 = torch.empty_like(gC), torch.empty_like(gn)
     DVS = cfg.get("DVS")  # split variant: dv in its own kernel, one program per DV tile
@@ -482,22 +543,22 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     if DVS:
         _launch(_kernel("mlstm_bwd_dv.py.jinja", q.dtype), (B * H, NC, DV // DVS),
             q, k, v, i, f, dh, ms, me, dCs, N, dv,
-            *_rows(q, k, v, i, f, dh, dv), S, NC, DK ** -0.5, DK=DK, DV=DV, BV=DVS, L=L, num_warps=warps,
+            *_rows(q, k, v, i, f, dh, dv), S, NC, scale, DK=DK, DV=DV, BV=DVS, L=L, num_warps=warps,
             num_stages=stages)
     if DKS:  # dS scratch: L/DK of q's size (128 MiB at B8 NH16 S8192 128/128)
         dS = torch.empty(B * H * NC * L * L, device=dev, dtype=q.dtype)
         wu = torch.empty(B * H * NC * 2 * L, device=dev, dtype=f32)
         _launch(_kernel("mlstm_bwd_ds.py.jinja", q.dtype, split_dv=bool(DVS)), (B * H, NC),
             q, k, v, i, f, dh, ms, me, dCs, N, dden, dS, wu, dv, *_rows(q, k, v, i, f, dh, *(() if DVS else (dv,))),
-            S, NC, DK ** -0.5, DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
+            S, NC, scale, DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
         _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype), (B * H, NC, DK // DKS),
             q, k, v, dh, Cs, ns, dCs, dns, N, dden, dS, wu, dq, dk, rs,
-            *_rows(q, k, v, dh, dq, dk), S, NC, DK ** -0.5,
+            *_rows(q, k, v, dh, dq, dk), S, NC, scale,
             DK=DK, DV=DV, BK=DKS, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     else:
         _launch(_kernel("mlstm_bwd.py.jinja", q.dtype, split_dv=bool(DVS)), (B * H, NC),
             q, k, v, i, f, dh, Cs, ns, ms, me, dCs, dns, N, dden, dq, dk, dv, rs,
-            *_rows(q, k, v, i, f, dh, dq, dk, *(() if DVS else (dv,))), S, NC, DK ** -0.5,
+            *_rows(q, k, v, i, f, dh, dq, dk, *(() if DVS else (dv,))), S, NC, scale,
             DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     m0s = m0.float() if C0 is not None else None
     if switches.fused_route:

@@ -153,7 +153,7 @@ def test_tune_off_times_nothing_and_stores_nothing(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,H,S,DK,DV", [(2, 4, 1000, 128, 128), (1, 2, 333, 256, 512), (2, 2, 257, 64, 128),
-                                         (1, 2, 150, 512, 128)])
+                                         (1, 2, 150, 512, 128), (1, 2, 300, 384, 384)])
 @pytest.mark.parametrize("with_state", [False, True])
 def test_forward_kernel_matches_reference(dtype, B, H, S, DK, DV, with_state):
     from torch_xaccel.codegen.mlstm import triton_kernels as mlstm_triton
@@ -169,6 +169,32 @@ def test_forward_kernel_matches_reference(dtype, B, H, S, DK, DV, with_state):
     for g, w in zip(got, want):
         assert not g.isnan().any()
         assert rel_err(g, w) <= 1e-2
+
+
+@pytest.mark.parametrize("DK,DV", [(384, 384), (96, 160)])
+def test_padded_head_dims_forward_and_gradients_through_kernels(DK, DV):
+    """Head dims between the kernels' sizes run zero-padded (384 as 512, 96 as 128, 160 as 256):
+    the op end to end with an initial state in bf16, h and the final state within 1e-2 of the fp64
+    reference, every gradient within 5e-2 of the analytic fp64 backward."""
+    from torch_xaccel.codegen.mlstm import triton_kernels as mlstm_triton
+    from torch_xaccel.ops.mlstm.reference_backward import backward as analytic
+
+    torch.manual_seed(DK + DV)
+    B, H, S = 2, 2, 277
+    mk = lambda *s: torch.randn(*s, device="cuda")  # noqa: E731
+    x = [mk(B, H, S, DK).bfloat16(), mk(B, H, S, DK).bfloat16(), mk(B, H, S, DV).bfloat16(), mk(B, H, S),
+         mk(B, H, S) + 3]
+    st = [mk(B, H, DK, DV) * .1, mk(B, H, DK) * .1, mk(B, H)]
+    got = mlstm_triton.forward(None, *x, *st, 1e-6, 64)
+    assert got is not NotImplemented
+    want = mlstm.reference.forward(*(t.double() for t in x + st))
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and rel_err(g, w) <= 1e-2
+    cots = [mk(B, H, S, DV).bfloat16(), mk(B, H, DK, DV), mk(B, H, DK), mk(B, H)]
+    got_g = mlstm_triton.backward(None, *cots, *x, *st, 1e-6, 64, h=got[0])
+    want_g = analytic(*(c.double() for c in cots), *(t.double() for t in x + st), chunk_size=64)
+    assert all(g.shape == w.shape for g, w in zip(got_g, want_g))
+    _assert_grads_close(got_g, want_g, st[0], st[1])
 
 
 @pytest.mark.parametrize("op", ["mlstm", "mlstm_with_chunk_states"])
