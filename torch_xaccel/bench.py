@@ -1,6 +1,6 @@
 """Side-by-side timings on the GPU, every path measured in one run:
 
-    python -m torch_xaccel.bench gemm|mlstm|model|slstm [--out DIR] [--quick] [--no-max-autotune] [--only TEXT]
+    python -m torch_xaccel.bench gemm|headwise|mlstm|model|slstm [--out DIR] [--quick] [--no-max-autotune] [--only TEXT]
 
 Prints one table (xaccel, eager, Inductor default, Inductor max-autotune, the cuBLAS matmuls
 alone) with times, TFLOP/s and ratios, checks xaccel against an fp32 reference, and writes
@@ -141,6 +141,29 @@ def swiglu(M, d=4096, h=11008):
             return hid @ w2.t()
         return f, (x, w1, w3, w2), cublas
     return Case(f"SwiGLU MLP fwd M{M} {d}->2x{h}->{d}", 2 * M * d * h * 3, make)
+
+
+def headwise(M, H=384, D=4, DO=4, train=False):
+    """The xlstm package's q/k/v projection (LinearHeadwiseExpand, 384 heads of 4 x 4 at inner
+    width 1536) over M rows, bf16; with train, forward + backward of a mean-square loss. The
+    cuBLAS row is the batched GEMM that eager's einsum runs, on operands already permuted."""
+    def make():
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(M, H * D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(train)
+        w = (torch.randn(H, DO, D, device="cuda", generator=g) / D ** 0.5).bfloat16().requires_grad_(train)
+
+        def f(x, w):
+            return torch.einsum("...hd,hod->...ho", x.view(M, H, D), w).reshape(M, H * DO)
+        xp, wt = x.detach().view(M, H, D).transpose(0, 1).contiguous(), w.detach().transpose(1, 2).contiguous()
+
+        def step(fn):
+            def run():
+                x.grad = w.grad = None
+                fn(x, w).float().square().mean().backward()
+            return run
+        return f, (x, w), lambda: torch.bmm(xp, wt), step
+    return Case(f"headwise einsum M{M}, {H} heads of {D}x{DO}{', train step' if train else ''}",
+                2 * M * H * DO * D * (3 if train else 1), make, train=train)
 
 
 def mlp_train(M, d=2048, h=8192, layers=4):
@@ -674,6 +697,7 @@ PATHS = ""  # --paths: a regular expression; the model suite runs only the rows 
 SUITES = {
     "gemm": lambda quick: ([gelu_residual(4096 if quick else 16384), gelu_residual(128),
                             swiglu(4096 if quick else 16384), mlp_train(4096 if quick else 16384)]),
+    "headwise": lambda quick: [headwise(2048 if quick else 16384), headwise(2048 if quick else 16384, train=True)],
     "model": lambda quick: [xlstm_model(quick=quick) if not quick else
                             xlstm_model(B=2, S=512 if torch.cuda.is_available() else 128, quick=True)],
     "mlstm": lambda quick: [mlstm_fwd(8, 16, 2048 if quick else 8192, 128, 128),

@@ -73,6 +73,14 @@ FAMILIES: tuple[Family, ...] = (
               "mlstm_step": "torch_xaccel.ops.mlstm.onnx:mlstm_step_function"},
     ),
     Family(
+        "headwise",
+        passes={"headwise": "torch_xaccel.lowering.headwise.einsum:run"},
+        ops="torch_xaccel.ops.headwise",
+        providers={"headwise": "torch_xaccel.codegen.headwise:forward",
+                   "headwise_weight_grad": "torch_xaccel.codegen.headwise:weight_grad"},
+        onnx={"headwise": "torch_xaccel.ops.headwise.onnx:headwise_function"},
+    ),
+    Family(
         "slstm",
         passes={"slstm": "torch_xaccel.lowering.slstm.sequence:run",
                 "slstm_step": "torch_xaccel.lowering.slstm.step:run"},
@@ -89,9 +97,11 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 # When each pattern's pass runs. Larger patterns first: the mLSTM and sLSTM regions hold matmuls
-# the GEMM pass would otherwise take, and each family's step pass runs before its sequence form so
-# that the steps it replaces are not reported as unrecognized sequences.
-PASS_ORDER: tuple[str, ...] = ("slstm_step", "slstm", "mlstm_step", "mlstm", "gemm_epilogue")
+# (and per-head einsums) the GEMM and headwise passes would otherwise take, and each family's step
+# pass runs before its sequence form so that the steps it replaces are not reported as
+# unrecognized sequences.
+PASS_ORDER: tuple[str, ...] = ("slstm_step", "slstm", "mlstm_step", "mlstm", "headwise",
+                               "gemm_epilogue")
 
 PATTERNS: tuple[str, ...] = tuple(p for f in FAMILIES for p in f.patterns)  # what XACCEL_PATTERNS accepts
 REPORT_KEYS: tuple[str, ...] = tuple(k for f in FAMILIES for k in f.report_keys)  # counts() keys, in order

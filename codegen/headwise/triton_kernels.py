@@ -1,0 +1,101 @@
+"""Generated Triton kernels for xaccel::headwise and xaccel::headwise_weight_grad, rendered per
+op from templates/; the block sizes are compile-time constants.
+
+A per-head map with blocks of a few elements (the xlstm package's q, k, v projections use 4 x 4)
+is no GEMM: cuBLAS runs it as a batched GEMM of 4-wide tiles after permuting x into [H, M, D],
+both far from memory speed. These kernels read x in place and write y once."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from .. import cache
+from ..limits import INT32_LIMIT
+from ..render import Templates
+
+TEMPLATES = Templates(Path(__file__).parent / "templates")
+MAX_BLOCK = 16  # D and DO up to this; larger blocks are GEMMs that cuBLAS runs well
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+BN = 128  # output columns per program
+TILE = 16384  # elements of a program's [BM, BN, D] x tile (64 fp32 registers per thread at 8 warps)
+ROWS = 256  # rows each weight-gradient program sums
+_KERNELS: dict = {}
+
+
+def _kernel(template: str):
+    if template not in _KERNELS:
+        name = template.split(".")[0] + "_" + hashlib.sha256(f"{template}|{TEMPLATES.digest}".encode()).hexdigest()[:12]
+        source = TEMPLATES.render(template, kernel_name=name)
+        _KERNELS[template] = getattr(cache.load_source(name, source), name)
+    return _KERNELS[template]
+
+
+def why_not(x, w) -> str | None:
+    """Why the kernels would not run this case (None: they would), on tensors or fake values."""
+    if w.dtype != x.dtype:
+        return f"no headwise kernel for {x.dtype} x {w.dtype}"
+    return _uncovered(x, *w.shape)
+
+
+def _uncovered(x, H: int, DO: int, D: int) -> str | None:
+    if x.dtype not in DTYPES:
+        return f"no headwise kernel for {x.dtype}"
+    if D > MAX_BLOCK or DO > MAX_BLOCK:
+        return f"blocks of {D} x {DO} (the kernel takes up to {MAX_BLOCK} x {MAX_BLOCK}; larger ones are GEMMs)"
+    if x.dim() < 2 or tuple(x.shape[-2:]) != (H, D):
+        return f"x {tuple(x.shape)} does not end in the weight's [{H}, {D}]"
+    if x.numel() // D * max(D, DO) >= INT32_LIMIT:
+        return "more than 2^31 elements"
+    return None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _rows_of(t, H: int, last: int):
+    """t as [M, H, last], a view where its layout allows (else a copy)."""
+    return t.reshape(-1, H, last)
+
+
+def forward(key, x, w):
+    """Kernel path for xaccel::headwise, or NotImplemented."""
+    if why_not(x, w) is not None:
+        return NotImplemented
+    H, DO, D = w.shape
+    x3 = _rows_of(x, H, D)
+    M, N = x3.shape[0], H * DO
+    y = torch.empty(M, H, DO, dtype=x.dtype, device=x.device)
+    if M:
+        DP = _pow2(D)
+        BM = max(1, min(64, TILE // (BN * DP)))
+        grid = (_cdiv(M, BM), _cdiv(N, BN))
+        _kernel("headwise.py.jinja")[grid](x3, w, y, M, N, *x3.stride(), *w.stride(), DO=DO, D=D, DP=DP, BM=BM, BN=BN,
+                                            num_warps=8 if BM * BN * DP >= TILE else 4)
+    return y.view(*x.shape[:-1], DO)
+
+
+def weight_grad(key, dy, x):
+    """Kernel path for xaccel::headwise_weight_grad, or NotImplemented."""
+    if dy.dtype != x.dtype or dy.shape[:-1] != x.shape[:-1]:
+        return NotImplemented
+    H, D, DO = x.shape[-2], x.shape[-1], dy.shape[-1]
+    if _uncovered(x, H, DO, D) is not None:
+        return NotImplemented
+    x3, dy3 = _rows_of(x, H, D), _rows_of(dy, H, DO)
+    M, N = x3.shape[0], H * DO
+    DP = _pow2(D)
+    BM = max(1, min(ROWS, TILE // (BN * DP)))
+    chunks = max(1, _cdiv(M, ROWS))
+    parts = torch.zeros(chunks, N, D, dtype=torch.float32, device=x.device)
+    if M:
+        _kernel("headwise_weight_grad.py.jinja")[(chunks, _cdiv(N, BN))](
+            dy3, x3, parts, M, N, *dy3.stride(), *x3.stride(), DO=DO, D=D, DP=DP, ROWS=ROWS, BM=BM, BN=BN,
+            num_warps=8 if BM * BN * DP >= TILE else 4)
+    return parts.sum(0).view(H, DO, D)

@@ -1,0 +1,53 @@
+"""Registration of xaccel::headwise and xaccel::headwise_weight_grad (schemas, fakes, autograd);
+their semantics are reference.py's. The backward is two ops: the input gradient is the op itself
+with w transposed per head ([H, D, O]), the weight gradient a reduction over the rows."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ... import runtime
+from . import reference
+
+OP_NAME = "headwise"
+WEIGHT_GRAD_OP_NAME = "headwise_weight_grad"
+
+
+def case_key(x, w) -> tuple:
+    return (x.device.type, x.dtype, x.shape, w.shape)
+
+
+@torch.library.custom_op("xaccel::headwise", mutates_args=())
+def headwise(x: Tensor, w: Tensor) -> Tensor:
+    """x [..., H, D], w [H, O, D] (any strides) -> y [..., H, O], contiguous, in x's dtype."""
+    return runtime.dispatch(OP_NAME, case_key, reference.forward, x, w).contiguous()
+
+
+@headwise.register_fake
+def _fake(x, w):
+    return x.new_empty(*x.shape[:-1], w.shape[1])
+
+
+@torch.library.custom_op("xaccel::headwise_weight_grad", mutates_args=())
+def headwise_weight_grad(dy: Tensor, x: Tensor) -> Tensor:
+    """dy [..., H, O], x [..., H, D] -> dw [H, O, D] in the compute dtype (fp32 for fp16/bf16)."""
+    return runtime.dispatch(WEIGHT_GRAD_OP_NAME, case_key, reference.weight_grad, dy, x).contiguous()
+
+
+@headwise_weight_grad.register_fake
+def _weight_grad_fake(dy, x):
+    return x.new_empty(x.shape[-2], dy.shape[-1], x.shape[-1], dtype=reference.compute_dtype(x))
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, dy):
+    x, w = ctx.saved_tensors
+    dx = torch.ops.xaccel.headwise(dy, w.transpose(1, 2)) if ctx.needs_input_grad[0] else None
+    dw = torch.ops.xaccel.headwise_weight_grad(dy, x).to(w.dtype) if ctx.needs_input_grad[1] else None
+    return dx, dw
+
+
+headwise.register_autograd(_backward, setup_context=_setup_context)
