@@ -18,8 +18,9 @@ from ..render import Templates
 TEMPLATES = Templates(Path(__file__).parent / "templates")
 MAX_BLOCK = 16  # D and DO up to this; larger blocks are GEMMs that cuBLAS runs well
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-BN = 128  # output columns per program
-TILE = 16384  # elements of a program's [BM, BN, D] x tile (64 fp32 registers per thread at 8 warps)
+TILE = 16384  # elements of a forward program's [BM, BH, DO, D] product (64 fp32 registers per thread at 8 warps)
+WGRAD_TILE = 8192  # the weight gradient's [BM, BH, DO, D] accumulator, beside its loads
+BH = 32  # heads per program: at 4 x 4 blocks, 128 contiguous elements of each x row
 ROWS = 256  # rows each weight-gradient program sums
 _KERNELS: dict = {}
 
@@ -64,20 +65,25 @@ def _rows_of(t, H: int, last: int):
     return t.reshape(-1, H, last)
 
 
+def _tiles(D: int, DO: int, budget: int) -> tuple[int, int, int]:
+    """(DP, OP, BM): D and DO rounded up to powers of two, and the rows per program that fill budget."""
+    DP, OP = _pow2(D), _pow2(DO)
+    return DP, OP, max(1, min(64, budget // (BH * DP * OP)))
+
+
 def forward(key, x, w):
     """Kernel path for xaccel::headwise, or NotImplemented."""
     if why_not(x, w) is not None:
         return NotImplemented
     H, DO, D = w.shape
     x3 = _rows_of(x, H, D)
-    M, N = x3.shape[0], H * DO
+    M = x3.shape[0]
     y = torch.empty(M, H, DO, dtype=x.dtype, device=x.device)
     if M:
-        DP = _pow2(D)
-        BM = max(1, min(64, TILE // (BN * DP)))
-        grid = (_cdiv(M, BM), _cdiv(N, BN))
-        _kernel("headwise.py.jinja")[grid](x3, w, y, M, N, *x3.stride(), *w.stride(), DO=DO, D=D, DP=DP, BM=BM, BN=BN,
-                                            num_warps=8 if BM * BN * DP >= TILE else 4)
+        DP, OP, BM = _tiles(D, DO, TILE)
+        _kernel("headwise.py.jinja")[(_cdiv(M, BM), _cdiv(H, BH))](
+            x3, w, y, M, H, *x3.stride(), *w.stride(), DO=DO, D=D, OP=OP, DP=DP, BM=BM, BH=BH,
+            num_warps=8 if BM * BH * DP * OP >= TILE else 4)
     return y.view(*x.shape[:-1], DO)
 
 
@@ -89,13 +95,13 @@ def weight_grad(key, dy, x):
     if _uncovered(x, H, DO, D) is not None:
         return NotImplemented
     x3, dy3 = _rows_of(x, H, D), _rows_of(dy, H, DO)
-    M, N = x3.shape[0], H * DO
-    DP = _pow2(D)
-    BM = max(1, min(ROWS, TILE // (BN * DP)))
+    M = x3.shape[0]
+    DP, OP, BM = _tiles(D, DO, WGRAD_TILE)
+    BM = min(BM, ROWS)
     chunks = max(1, _cdiv(M, ROWS))
-    parts = torch.zeros(chunks, N, D, dtype=torch.float32, device=x.device)
+    parts = torch.zeros(chunks, H, DO, D, dtype=torch.float32, device=x.device)
     if M:
-        _kernel("headwise_weight_grad.py.jinja")[(chunks, _cdiv(N, BN))](
-            dy3, x3, parts, M, N, *dy3.stride(), *x3.stride(), DO=DO, D=D, DP=DP, ROWS=ROWS, BM=BM, BN=BN,
-            num_warps=8 if BM * BN * DP >= TILE else 4)
-    return parts.sum(0).view(H, DO, D)
+        _kernel("headwise_weight_grad.py.jinja")[(chunks, _cdiv(H, BH))](
+            dy3, x3, parts, M, H, *dy3.stride(), *x3.stride(), DO=DO, D=D, OP=OP, DP=DP, ROWS=ROWS, BM=BM, BH=BH,
+            num_warps=8)
+    return parts.sum(0)
