@@ -47,3 +47,23 @@ class DirectLaunch:
 
     def __call__(self, args) -> None:
         self.runner(*args, *self.consts, stream=torch._C._cuda_getCurrentRawStream(self.device))
+
+
+class LaunchCache:
+    """Launches of one kernel family: the first call per key through JITFunction.run, later ones
+    of the same key straight to its DirectLaunch. The key must fix every integer argument and
+    constexpr (shapes, strides, tile sizes); `tensors` are the arguments that vary between calls."""
+
+    def __init__(self, limit: int = 1024):
+        self.limit, self.entries = limit, {}
+
+    def launch(self, key, kernel, grid: tuple, args: tuple, meta: dict, tensors) -> None:
+        direct = self.entries.get(key)
+        if direct and direct.matches(tensors):
+            direct(args)
+            return
+        compiled = kernel[grid](*args, **meta)
+        if direct is None:
+            if len(self.entries) >= self.limit:
+                self.entries.clear()
+            self.entries[key] = DirectLaunch.capture(kernel, compiled, grid, meta, len(args), tensors) or False

@@ -14,6 +14,7 @@ import torch
 from .. import cache
 from ..limits import INT32_LIMIT
 from ..render import Templates
+from ..triton_launch import LaunchCache
 
 TEMPLATES = Templates(Path(__file__).parent / "templates")
 MAX_BLOCK = 16  # D and DO up to this; larger blocks are GEMMs that cuBLAS runs well
@@ -23,6 +24,7 @@ WGRAD_TILE = 8192  # the weight gradient's [BM, BH, DO, D] accumulator, beside i
 BH = 32  # heads per program: at 4 x 4 blocks, 128 contiguous elements of each x row
 ROWS = 256  # rows each weight-gradient program sums
 _KERNELS: dict = {}
+_LAUNCHES = LaunchCache()  # a projection runs at a few shapes per model: from its second call, directly
 
 
 def _kernel(template: str):
@@ -81,9 +83,10 @@ def forward(key, x, w):
     y = torch.empty(M, H, DO, dtype=x.dtype, device=x.device)
     if M:
         DP, OP, BM = _tiles(D, DO, TILE)
-        _kernel("headwise.py.jinja")[(_cdiv(M, BM), _cdiv(H, BH))](
-            x3, w, y, M, H, *x3.stride(), *w.stride(), DO=DO, D=D, OP=OP, DP=DP, BM=BM, BH=BH,
-            num_warps=8 if BM * BH * DP * OP >= TILE else 4)
+        ints = (M, H, *x3.stride(), *w.stride())
+        meta = dict(DO=DO, D=D, OP=OP, DP=DP, BM=BM, BH=BH, num_warps=8 if BM * BH * DP * OP >= TILE else 4)
+        _LAUNCHES.launch(("fwd", x.device, ints, DO, D), _kernel("headwise.py.jinja"), (_cdiv(M, BM), _cdiv(H, BH)),
+                         (x3, w, y, *ints), meta, (x3, w, y))
     return y.view(*x.shape[:-1], DO)
 
 
@@ -99,9 +102,11 @@ def weight_grad(key, dy, x):
     DP, OP, BM = _tiles(D, DO, WGRAD_TILE)
     BM = min(BM, ROWS)
     chunks = max(1, _cdiv(M, ROWS))
-    parts = torch.zeros(chunks, H, DO, D, dtype=torch.float32, device=x.device)
-    if M:
-        _kernel("headwise_weight_grad.py.jinja")[(chunks, _cdiv(H, BH))](
-            dy3, x3, parts, M, H, *dy3.stride(), *x3.stride(), DO=DO, D=D, OP=OP, DP=DP, ROWS=ROWS, BM=BM, BH=BH,
-            num_warps=8)
+    if not M:
+        return torch.zeros(H, DO, D, dtype=torch.float32, device=x.device)
+    parts = torch.empty(chunks, H, DO, D, dtype=torch.float32, device=x.device)  # every program writes its own
+    ints = (M, H, *dy3.stride(), *x3.stride())
+    meta = dict(DO=DO, D=D, OP=OP, DP=DP, ROWS=ROWS, BM=BM, BH=BH, num_warps=8)
+    _LAUNCHES.launch(("wgrad", x.device, ints, DO, D), _kernel("headwise_weight_grad.py.jinja"),
+                     (chunks, _cdiv(H, BH)), (dy3, x3, parts, *ints), meta, (dy3, x3, parts))
     return parts.sum(0)

@@ -22,7 +22,7 @@ from torch_xaccel.runtime import interpreting
 from .. import cache, tuning
 from ..limits import INT32_LIMIT, reach
 from ..render import Templates
-from ..triton_launch import DirectLaunch
+from ..triton_launch import LaunchCache
 from . import configs, settings
 
 TEMPLATES = Templates(Path(__file__).parent / "templates")
@@ -390,21 +390,11 @@ def _step(q, k, v, i, f, C, n, m, q_scale, k_scale, eps):
     args, meta, grid = ((q, k, v, i, f, C, n, m, h, C2, n2, m2, q_scale, k_scale, float(eps)),
                         dict(DK=DK, DV=DV, BV=BV), (B * H, DV // BV))
     # a decode step is host-bound: from the second call of a shape, its compiled kernel directly
-    shape = (key, q.dtype, q.device, B, H, DK, DV)
-    direct = _STEP_LAUNCHES.get(shape)
-    if direct and direct.matches(args[:12]):
-        direct(args)
-    else:
-        compiled = _KERNELS[key][grid](*args, **meta)
-        if direct is None:
-            if len(_STEP_LAUNCHES) >= 1024:
-                _STEP_LAUNCHES.clear()
-            _STEP_LAUNCHES[shape] = DirectLaunch.capture(_KERNELS[key], compiled, grid, meta, len(args),
-                                                         args[:12]) or False
+    _STEP_LAUNCHES.launch((key, q.dtype, q.device, B, H, DK, DV), _KERNELS[key], grid, args, meta, args[:12])
     return h, C2, n2, m2
 
 
-_STEP_LAUNCHES: dict = {}  # (kernel key, dtype, device, B, H, DK, DV) -> DirectLaunch, or False where none
+_STEP_LAUNCHES = LaunchCache()  # keyed by (kernel key, dtype, device, B, H, DK, DV)
 
 
 def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=None, chunk_states=()):

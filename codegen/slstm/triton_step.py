@@ -16,7 +16,7 @@ from torch_xaccel.runtime import interpreting
 from .. import cache, tuning
 from ..limits import INT32_LIMIT, SHARED_LIMIT, reach
 from ..render import Templates
-from ..triton_launch import DirectLaunch
+from ..triton_launch import LaunchCache
 
 TEMPLATES = Templates(Path(__file__).parent / "templates")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -102,19 +102,11 @@ def launch(cfg: dict, Wx, R, b, h, c, n, m, fresh, clamp_gates, clamp_n, warmup:
     # a decode step is host-bound: from the second call of a shape, its compiled kernel directly
     shape = (kernel, Wx.device, B, NH, D, Wx.stride(), tuple(sorted(cfg.items())),
              tuple(t.dtype for t in (R, b, h, c, n, m)))
-    direct = _LAUNCHES.get(shape)
-    if direct and direct.matches(args[:11]):
-        direct(args)
-    else:
-        compiled = kernel[grid](*args, **launch_meta)
-        if direct is None and not interpreting():
-            if len(_LAUNCHES) >= 1024:
-                _LAUNCHES.clear()
-            _LAUNCHES[shape] = DirectLaunch.capture(kernel, compiled, grid, meta, len(args), args[:11]) or False
+    _LAUNCHES.launch(shape, kernel, grid, args, launch_meta, args[:11])
     return outs
 
 
-_LAUNCHES: dict = {}  # (kernel, device, shapes, strides, config, dtypes) -> DirectLaunch, or False where none
+_LAUNCHES = LaunchCache()  # keyed by (kernel, device, shapes, strides, config, dtypes)
 
 
 def _why_not(Wx, R, b, states) -> str | None:

@@ -241,7 +241,7 @@ def test_step_kernel_matches_reference_and_captures_in_a_cuda_graph(DK, DV):
         want = mlstm.reference.step(*(t.double() for t in [q] + x[1:] + state), scale_q=scale_q)
         for g, w in zip(got, want):
             assert rel_err(g, w) <= 1e-2
-    assert any(isinstance(d, triton_launch.DirectLaunch) for d in mlstm_triton._STEP_LAUNCHES.values())
+    assert any(isinstance(d, triton_launch.DirectLaunch) for d in mlstm_triton._STEP_LAUNCHES.entries.values())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = torch.ops.xaccel.mlstm_step(*x, *state, 1e-6)

@@ -6,3 +6,4 @@ weight gradient its backward runs as an op of its own.
 - onnx.py: the ONNX body, from the reference
 """
 from . import op  # noqa: F401  (registers torch.ops.xaccel.headwise, headwise_weight_grad)
+from .op import DIRECT_CALLS  # noqa: F401
