@@ -1,6 +1,6 @@
 """torch_xaccel.onnx.export beyond one family: what has no ONNX body yet exports as standard ONNX
 and the report says so; an xaccel op without a body is a clear error; XACCEL_DISABLE exports the
-model as written."""
+model as written; other opsets, one below 18 a clear error; fp16 and bf16 files."""
 import pytest
 import torch
 
@@ -100,3 +100,66 @@ def test_a_failing_pass_exports_the_model_as_written_with_the_reason(tmp_path, m
     assert any("RuntimeError: injected; exported the model as written" in f.reason for f in res.report.fallbacks)
     with torch.no_grad():
         assert rel_err(onnxruntime_outputs(tmp_path / "m.onnx", x)[0], mlp(x)) <= 1e-5
+
+
+class ThreeFamilies(torch.nn.Module):
+    """A GEMM chain, an mLSTM and a headwise projection, each one xaccel node."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+        self.w = torch.nn.Parameter(torch.randn(8, 4, 4))
+
+    def forward(self, x):
+        y = self.l2(torch.nn.functional.gelu(self.l1(x)))
+        B, S, _ = x.shape
+        q = y.view(B, S, 2, 16).transpose(1, 2)
+        i, f = y[..., :2].transpose(1, 2), y[..., 2:4].transpose(1, 2) + 2
+        h = torch.ops.xaccel.mlstm(q, q, q, i, f, None, None, None, 1e-6, 16)[0]
+        z = torch.einsum("...hd,hod->...ho", h.transpose(1, 2).reshape(B, S, 8, 4), self.w)
+        return z.reshape(B, S, 32) + y
+
+
+@pytest.mark.parametrize("opset", [18, 21, 23])
+def test_other_opsets_export_and_match(tmp_path, opset):
+    """The model and every body at the requested opset; the full checker in a fresh process and
+    onnxruntime pass, equal to PyTorch."""
+    from tests.helpers import onnx_checked_in_a_fresh_process
+
+    torch.manual_seed(opset)
+    model, x = ThreeFamilies().eval(), torch.randn(2, 20, 32)
+    path = tmp_path / f"opset{opset}.onnx"
+    res = xonnx.export(model, (x,), path, opset_version=opset, report=False)
+    assert res.xaccel_nodes == {"gemm_epilogue": 1, "mlstm": 1, "headwise": 1}
+    assert {o.domain: o.version for o in res.model.opset_import}[""] == opset
+    assert all({o.domain: o.version for o in fn.opset_import}.get("", opset) == opset for fn in res.model.functions)
+    onnx_checked_in_a_fresh_process(path)
+    with torch.no_grad():
+        assert rel_err(onnxruntime_outputs(path, x)[0], model(x)) <= 1e-5
+
+
+def test_an_opset_below_the_exporters_is_a_clear_error():
+    with pytest.raises(ValueError, match="opset_version 17 is not supported"):
+        xonnx.export(ThreeFamilies().eval(), (torch.randn(1, 4, 32),), opset_version=17, report=False)
+
+
+def test_fp16_export_runs_in_onnxruntime_and_bf16_passes_the_checker(tmp_path):
+    """fp16: onnxruntime's output within 1e-2 of the fp32 model with the same (rounded) weights
+    (the bodies compute the recurrence in fp32, as the reference does). bf16: a valid file (the
+    full checker); onnxruntime's CPU provider has no bf16 kernels for standard ops such as Add, so
+    it is not run here."""
+    import onnx
+
+    torch.manual_seed(1)
+    model = ThreeFamilies().eval().half()
+    ref = ThreeFamilies().eval()
+    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    x = torch.randn(2, 20, 32).half()
+    res = xonnx.export(model, (x,), tmp_path / "fp16.onnx", report=False)
+    assert res.xaccel_nodes == {"gemm_epilogue": 1, "mlstm": 1, "headwise": 1}
+    (got,) = onnxruntime_outputs(tmp_path / "fp16.onnx", x)
+    with torch.no_grad():
+        assert got.dtype == torch.float16 and rel_err(got.float(), ref(x.float())) <= 1e-2
+    res = xonnx.export(model.bfloat16(), (x.bfloat16(),), tmp_path / "bf16.onnx", report=False)
+    assert res.xaccel_nodes == {"gemm_epilogue": 1, "mlstm": 1, "headwise": 1}
+    onnx.checker.check_model(res.model, full_check=True)

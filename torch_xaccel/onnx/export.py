@@ -100,6 +100,9 @@ def _lower(ep, cfg, report) -> None:
     _resync_outputs(ep)
 
 
+MIN_OPSET = 18  # torch.onnx's dynamo exporter has no implementations below it (it would convert down, op by op)
+
+
 def export(model, args, f=None, *, kwargs=None, dynamic_shapes=None, opset_version=None, functions: bool = True,
            report: bool = True, strict: bool | None = None) -> ExportResult:
     """Export `model(*args, **kwargs)` to ONNX with each fused region as one `xaccel` node.
@@ -113,6 +116,9 @@ def export(model, args, f=None, *, kwargs=None, dynamic_shapes=None, opset_versi
     Returns an ExportResult (the ModelProto, the path, the report, the xaccel node counts)."""
     import onnx
 
+    if opset_version is not None and opset_version < MIN_OPSET:
+        raise ValueError(f"torch_xaccel.onnx.export: opset_version {opset_version} is not supported: torch.onnx "
+                         f"exports from opset {MIN_OPSET} on (the ops' bodies are exported at the model's opset)")
     cfg = config.load()
     graph_report = new_graph_report()
     ok, missing = _exportable_patterns(cfg)
