@@ -13,6 +13,15 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 _LOWERING_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
+# node meta key: a pass reported the region this node belongs to as one refusal (an mLSTM look-alike
+# that failed its proof); other passes do not report the node again
+REPORTED_REGION = "xaccel_reported_region"
+
+
+def reported_with_region(node) -> bool:
+    return REPORTED_REGION in node.meta
+
+
 def val(node) -> object:
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 

@@ -23,7 +23,7 @@ from torch_xaccel.ops.gemm_epilogue.epilogue_ir import Epilogue, read_by_vjp
 from torch_xaccel.report import Fallback, GraphReport, Replacement
 
 from .. import PassContext
-from ..graph_utils import is_one, location, mutated_nodes, same_shape, val
+from ..graph_utils import is_one, location, mutated_nodes, reported_with_region, same_shape, val
 
 FAMILY = "gemm_epilogue"
 LEFT_TO_OTHER_GEMM = "its other input is a GEMM whose own chain takes it"
@@ -479,16 +479,18 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext, backward: bool = False) -> N
         if g is None:
             continue
         if isinstance(g, str):
-            report.fallbacks.append(Fallback(FAMILY, f"{GEMM_TARGETS[node.target]}: {g}", location(node)))
+            if not reported_with_region(node):
+                report.fallbacks.append(Fallback(FAMILY, f"{GEMM_TARGETS[node.target]}: {g}", location(node)))
             continue
         chain = Chain(grad_ops=backward)
         reason = chain.add_gemm(g, val(node))
         if reason is not None:
-            report.fallbacks.append(Fallback(FAMILY, f"{GEMM_TARGETS[node.target]}: {reason}", location(node)))
+            if not reported_with_region(node):
+                report.fallbacks.append(Fallback(FAMILY, f"{GEMM_TARGETS[node.target]}: {reason}", location(node)))
             continue
         note = extend(chain, node, mutated)
         if chain.n_ops() == 0:
-            if backward:
+            if backward or reported_with_region(node):
                 continue
             what = GEMM_TARGETS[node.target] + (" + bias" if g.bias is not None else "")
             report.fallbacks.append(Fallback(FAMILY, f"{what} alone: nothing to fuse, stays on ATen"

@@ -30,7 +30,7 @@ import torch.fx
 from torch_xaccel.report import Fallback, Replacement
 
 from .. import CONSTANT_FLOATS, PassContext
-from ..graph_utils import location, val
+from ..graph_utils import REPORTED_REGION, location, val
 from . import provenance, regions, substitutions
 from .matching import DynamicEps, NoMatch, example_int, expect, is_op, kernel_refusal
 
@@ -399,6 +399,8 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         also = f"; as the parallel form: {near[1]}" if near else ""
         report.fallbacks.append(Fallback(FAMILY, f"mLSTM-like code (a log-sigmoid of a gate) not replaced: {reason}"
                                                  f"{also}", where))
+        for n in nodes:  # its matmuls are part of this one line, not GEMM fallbacks of their own
+            n.meta[REPORTED_REGION] = FAMILY
 
 
 def _parallel_forms(gm: torch.fx.GraphModule, ctx: PassContext) -> dict:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace as replace_roles
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from torch_xaccel.report import Replacement
 
@@ -68,19 +69,19 @@ def _assignments(shapes: dict) -> list[Roles]:
             continue
         target = "sequence" if len(Q) == 4 else "step"
         B, H, DK, DV = Q[0], Q[1], Q[-1], V[-1]
-        gate = Q[:3] if target == "sequence" else (B, H)
+        gates = (Q[:3], Q[:3] + (1,)) if target == "sequence" else ((B, H), (B, H, 1), (B, H, 1, 1))
         rest = [x for x in shapes if x not in (q, k, v)]
         for i, f in itertools.permutations(rest, 2):
-            if shapes[i] not in (gate, gate + (1,)) or shapes[f] not in (gate, gate + (1,)):
+            if shapes[i] not in gates or shapes[f] not in gates:
                 continue
             others = [x for x in rest if x not in (i, f)]
             options = []
             if not others and target == "sequence":
                 options = [(None, "none"), (None, "zeros")]
-            elif len(others) == 3:
+            elif len(others) == 3:  # n and m also with trailing unit dims (the xlstm package's recurrent step)
                 options = [((C, n, m), "given") for C, n, m in itertools.permutations(others)
-                           if shapes[C] == (B, H, DK, DV) and shapes[n] == (B, H, DK)
-                           and shapes[m] in ((B, H), (B, H, 1))]
+                           if shapes[C] == (B, H, DK, DV) and shapes[n] in ((B, H, DK), (B, H, DK, 1))
+                           and shapes[m] in ((B, H), (B, H, 1), (B, H, 1, 1))]
             out += [Roles(target, (q, k, v, i, f), state, start, scale_q)
                     for state, start in options for scale_q in (False, True)]
     return out
@@ -163,14 +164,14 @@ def _op(roles: Roles, vals: list, eps: float) -> dict:
     B, H, DK = q.shape[0], q.shape[1], q.shape[-1]
     if roles.target == "step":
         C, n, m = (vals[x] for x in roles.state)
-        h, C, n, m = reference.step(q, k, v, i.reshape(B, H), f.reshape(B, H), C, n, m.reshape(B, H), eps,
-                                    roles.scale_q)
+        h, C, n, m = reference.step(q, k, v, i.reshape(B, H), f.reshape(B, H), C, n.reshape(B, H, DK),
+                                    m.reshape(B, H), eps, roles.scale_q)
         return dict(h=h, C=C, n=n, m=m)
     root = DK ** 0.5 if roles.scale_q else 1.0
     S = q.shape[2]
     if roles.start == "given":
         C, n, m = (vals[x] for x in roles.state)
-        state = (C / root, n / root, m.reshape(B, H))
+        state = (C / root, n.reshape(B, H, DK) / root, m.reshape(B, H))
     elif roles.start == "zeros":
         state = (q.new_zeros(B, H, DK, v.shape[-1]), q.new_zeros(B, H, DK), q.new_zeros(B, H))
     else:
@@ -185,15 +186,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _result_shapes(roles: Roles, shapes: dict) -> list:
-    """The shapes h and the final states may have under `roles` (m also [B, NH, 1])."""
+    """The shapes h and the final states may have under `roles`: the op's, or with unit dims
+    ([B, NH, 1] or [B, NH, 1, 1] for m, [B, NH, DK, 1] for n, a step's h as [B, NH, 1, DV])."""
     Q, V = shapes[roles.qkvif[0]], shapes[roles.qkvif[2]]
     B, H, DK, DV = Q[0], Q[1], Q[-1], V[-1]
-    return [V, (B, H, DK, DV), (B, H, DK), (B, H), (B, H, 1), V + (1,), (B, H, DK, 1)]
+    return [V, V + (1,), V[:-1] + (1,) + V[-1:], (B, H, DK, DV), (B, H, DK), (B, H, DK, 1), (B, H), (B, H, 1),
+            (B, H, 1, 1)]
+
+
+def _units_dropped(shape) -> tuple:
+    return tuple(d for d in shape if d != 1)
 
 
 def _fits(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Same values up to a trailing unit dim ([B, NH, 1] for [B, NH])."""
-    return tuple(got.shape) in (tuple(want.shape), tuple(want.shape) + (1,))
+    """The same values laid out alike up to unit dims ([B, NH, 1] for [B, NH])."""
+    return got.numel() == want.numel() and _units_dropped(got.shape) == _units_dropped(want.shape)
 
 
 def _last_match(nodes, runs: list, wants: list) -> tuple:
@@ -374,16 +381,32 @@ class _Builder:
         return self(aten.mul.Tensor, x, float(dk) ** power)
 
     def like(self, x, node):
-        """x in `node`'s dtype and trailing unit dim."""
+        """x in `node`'s dtype and with its unit dims (the op's results have none of their own)."""
         want, got = val(node), val(x)
-        if got.dim() < want.dim():
-            x = self(aten.unsqueeze.default, x, -1)
+        for dim in _inserted_units(tuple(got.shape), tuple(want.shape)):
+            x = self(aten.unsqueeze.default, x, dim)
         if want.dtype != got.dtype:
             x = self(aten._to_copy.default, x, dtype=want.dtype)
         return x
 
     def squeezed(self, x, rank):
-        return self(aten.squeeze.dim, x, -1) if val(x).dim() > rank else x
+        """x without its trailing unit dims beyond `rank` ([B, NH, 1, 1] -> [B, NH])."""
+        while val(x).dim() > rank:
+            x = self(aten.squeeze.dim, x, -1)
+        return x
+
+
+def _inserted_units(got: tuple, want: tuple) -> list:
+    """The positions at which unsqueezing `got` one dim at a time gives `want` (the same sizes plus
+    unit dims): each of `got`'s dims matched to the first equal one of `want` that leaves room for
+    the rest (where two unit dims are adjacent, either choice gives the same tensor)."""
+    dims, j = [], 0
+    for pos, size in enumerate(want):
+        if j < len(got) and statically_known_true(got[j] == size) and len(want) - pos >= len(got) - j:
+            j += 1
+        else:
+            dims.append(pos)
+    return dims
 
 
 def _write_between(graph, inputs, lo, hi, region) -> torch.fx.Node | None:
@@ -421,7 +444,7 @@ def replace(gm: torch.fx.GraphModule, report, region: regions.Region, proof: Pro
         if roles.target == "step":
             C, n, m = ins[5:]
             fused = build(torch.ops.xaccel.mlstm_step.default, q, k, v, build.squeezed(i, 2), build.squeezed(f, 2),
-                          C, n, build.squeezed(m, 2), eps, roles.scale_q)
+                          C, build.squeezed(n, 3), build.squeezed(m, 2), eps, roles.scale_q)
             got = dict(zip(("h", *STATES), (build(operator.getitem, fused, j) for j in range(4))))
         else:
             fused = build(torch.ops.xaccel.mlstm.default, q, k, v, build.squeezed(i, 3), build.squeezed(f, 3),
@@ -450,6 +473,7 @@ def _start_state(build, roles, ins, dk_arg) -> tuple:
         return None, None, None
     if roles.start == "given":
         C, n, m = ins[5:]
+        n = build.squeezed(n, 3)
         if roles.scale_q:
             C, n = build.scale(C, dk_arg, -0.5), build.scale(n, dk_arg, -0.5)
         return C, n, build.squeezed(m, 2)

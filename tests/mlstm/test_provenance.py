@@ -180,6 +180,27 @@ def scores_also_returned(q, k, v, i, f):
     return torch.einsum("bhts,bhsd->bhtd", scores / (n + 1e-6), v), scores
 
 
+def matmul_form_wrong_scale(q, k, v, i, f):
+    """The parallel form written with @ (4-D matmuls the GEMM pass does not take) and 1/DQK on
+    q k^T instead of 1/sqrt(DQK)."""
+    S, D = q.shape[-2], q.shape[-1]
+    Fc = torch.cumsum(F.logsigmoid(f), -1)
+    logD = (Fc[..., :, None] - Fc[..., None, :] + i[..., None, :]).masked_fill(
+        torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    m = logD.amax(-1, keepdim=True)
+    scores = (q @ k.transpose(-1, -2)) / D * torch.exp(logD - m)
+    n = torch.maximum(scores.sum(-1, keepdim=True).abs(), torch.exp(-m))
+    return (scores / (n + 1e-6)) @ v
+
+
+def test_a_refused_region_is_one_report_line_not_gemm_fallbacks_too():
+    """Its matmuls belong to the one mLSTM line; the GEMM pass does not list them again."""
+    report = check_compiled(matmul_form_wrong_scale, _inputs(S=9, seed=7), tol=1e-6)
+    assert report.counts()["mlstm"] == 0
+    assert len([fb for fb in report.fallbacks if fb.family == "mlstm"]) == 1, str(report)
+    assert not [fb for fb in report.fallbacks if fb.family == "gemm_epilogue"], str(report)
+
+
 def test_code_after_the_final_states_stays():
     """Reads of the final states in the same layout (m * 2, a reduction of C) stay in the graph,
     computed from the op's extra outputs."""

@@ -190,6 +190,26 @@ def test_block_stack_with_slstm_and_mlstm_blocks_equal_to_eager(S, slstm_at):
     assert not any(r.note for r in report.replacements if r.family == "slstm"), str(report)
 
 
+def test_block_stack_decode_steps_equal_to_eager():
+    """xLSTMBlockStack.step (one token through every block, the state dict carried by the caller):
+    the sLSTM block's step traces as xaccel.slstm_step, the mLSTM blocks' as xaccel.mlstm_step;
+    four tokens equal eager, output and every state."""
+    model = _block_stack([1]).eval()
+    tokens = torch.randn(2, 4, 64)
+    torch._dynamo.reset()
+    step = torch.compile(model.step, backend="xaccel")
+    with torch.no_grad(), collect() as graphs:
+        want_state, got_state = None, None
+        for t in range(tokens.shape[1]):
+            want, want_state = model.step(tokens[:, t:t + 1], want_state)
+            got, got_state = step(tokens[:, t:t + 1], got_state)
+            assert rel_err(got, want) <= TOL
+            for w, g in zip(_flat(want_state), _flat(got_state)):
+                assert rel_err(g, w) <= TOL
+    counts = Report(graphs=graphs).counts()
+    assert counts["slstm_step"] >= 1 and counts["mlstm_step"] >= 1, str(Report(graphs=graphs))
+
+
 @pytest.mark.parametrize("env", [{"XACCEL_DISABLE": "1"}, {"XACCEL_PATTERNS": "gemm_epilogue"}])
 def test_switched_off_runs_the_library_code(monkeypatch, env):
     for k, v in env.items():
