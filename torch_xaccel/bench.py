@@ -463,6 +463,15 @@ def slstm_model(E=768, blocks=8, slstm_at=(7,), B=16, S=1024):
                 lambda: (E, blocks, tuple(slstm_at), B, S), runner="slstm_model")
 
 
+def slstm_model_decode(E=768, blocks=8, slstm_at=(7,), B=1):
+    """One-token decode of the same stacks (xLSTMBlockStack.step, the state dict carried between
+    calls) at batch B: the vanilla sLSTM compiled with xaccel against the package's cuda sLSTM
+    backend uncompiled, each plainly and replayed from a CUDA graph."""
+    mix = "all-sLSTM" if len(slstm_at) == blocks else f"{blocks - len(slstm_at)}:{len(slstm_at)} mLSTM:sLSTM"
+    return Case(f"xLSTMBlockStack {mix}, {blocks} blocks, E{E}: one-token decode B{B}", 0,
+                lambda: (E, blocks, tuple(slstm_at), B), runner="slstm_model_decode")
+
+
 def _slstm_stack(E, blocks, slstm_at, backend, B, S):
     from xlstm import (
         mLSTMBlockConfig,
@@ -527,6 +536,45 @@ def run_slstm_model_case(case: Case) -> list:
             first = time.perf_counter() - t0
             add(f"{label}, train step", _bench(train, True, list(model.parameters())), f"first call {first:.1f}s")
             model = fn = train = None  # freed before the next configuration
+            _empty_cache()
+        except Exception as e:  # noqa: BLE001 - a configuration that cannot run is a finding, not a crash
+            print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    base = rows[0]["ms"] if rows else 1.0
+    for r in rows:
+        r["vs_cublas"], r["vs_xaccel"] = r["ms"] / base, r["ms"] / base
+    return rows
+
+
+def run_slstm_model_decode_case(case: Case) -> list:
+    """Rows per configuration: one token plain (host and GPU time, what a caller without graphs
+    pays) and in a CUDA graph, from the state a first token left."""
+    E, blocks, slstm_at, B = case.make()
+    rows = []
+
+    def add(path, ms, extra=""):
+        rows.append(dict(case=case.name, path=path, ms=ms, tflops=0.0, extra=extra))
+        print(f"  {path:52s} {ms * 1e3:9.1f} us  {extra}", flush=True)
+
+    print(f"\n{case.name}", flush=True)
+    from torch_xaccel.report import last_report
+
+    for label, backend, compiled in (("xaccel (vanilla sLSTM, compiled)", "vanilla", True),
+                                     ("xlstm CUDA sLSTM backend, uncompiled", "cuda", False)):
+        try:
+            model = _slstm_stack(E, blocks, slstm_at, backend, B, 1024).eval()
+            x = torch.randn(B, 1, E, device="cuda", dtype=torch.bfloat16)
+            torch._dynamo.reset()
+            with torch.inference_mode():
+                state = model.step(x)[1]
+                fn = torch.compile(model.step, backend="xaccel") if compiled else model.step
+                t0 = time.perf_counter()
+                fn(x, state)
+                torch.cuda.synchronize()
+                first = time.perf_counter() - t0
+                counts = f", replaced {last_report().counts()}" if compiled else ""
+                add(f"{label}, one token", _bench(lambda: fn(x, state), False), f"first call {first:.1f}s{counts}")
+                add(f"{label}, one token, CUDA graph", _bench(_graphed(lambda: fn(x, state)), False))
+            model = fn = state = None
             _empty_cache()
         except Exception as e:  # noqa: BLE001 - a configuration that cannot run is a finding, not a crash
             print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -708,7 +756,9 @@ SUITES = {
                             slstm_seq(16, 1024, 8, 128), slstm_seq(64, 1024, 4, 192), slstm_seq(64, 1024, 1, 768),
                             slstm_decode(1), slstm_decode(8),
                             slstm_model(768, 8, (7,), 16, 256 if quick else 1024),
-                            slstm_model(768, 4, (0, 1, 2, 3), 16, 256 if quick else 1024)],
+                            slstm_model(768, 4, (0, 1, 2, 3), 16, 256 if quick else 1024),
+                            *(slstm_model_decode(768, blocks, at, B) for blocks, at in ((8, (7,)), (4, (0, 1, 2, 3)))
+                              for B in (1, 8))],
 }
 
 
@@ -858,7 +908,8 @@ def main(argv=None) -> int:
             continue
         runner = {"mlstm": run_mlstm_case, "model": run_model_case, "decode": run_decode_case,
                   "slstm": run_slstm_case, "slstm_decode": run_slstm_decode_case,
-                  "slstm_model": run_slstm_model_case}.get(case.runner)
+                  "slstm_model": run_slstm_model_case,
+                  "slstm_model_decode": run_slstm_model_decode_case}.get(case.runner)
         rows += runner(case) if runner else run_case(case, not args.no_max_autotune)
         _empty_cache()
     md = markdown(rows, header)
