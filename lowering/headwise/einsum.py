@@ -61,18 +61,20 @@ def _hint(size) -> int | None:
     return size if isinstance(size, int) else getattr(size.node, "hint", None)
 
 
-def plan(node: torch.fx.Node) -> _Plan | None:
-    """The rewrite of an einsum node, or None where its equation is not a per-head linear map."""
+def plans(node: torch.fx.Node) -> list[_Plan]:
+    """The rewrites of an einsum node: one per operand that can be read as the weight (either may,
+    when both have three labels), none where its equation is not a per-head linear map."""
     if len(node.args) < 2 or not isinstance(node.args[0], str) or len(node.args[1]) != 2:
-        return None
+        return []
     equation = node.args[0].replace(" ", "")
     if "->" not in equation:
-        return None
+        return []
     lhs, out_spec = equation.split("->")
     specs = lhs.split(",")
     operands = list(node.args[1])
     if len(specs) != 2 or not all(isinstance(val(t), torch.Tensor) for t in operands):
-        return None
+        return []
+    found = []
     for xi, wi in ((0, 1), (1, 0)):
         x, w = operands[xi], operands[wi]
         lx, lw = _labels(specs[xi], val(x).dim()), _labels(specs[wi], val(w).dim())
@@ -92,9 +94,9 @@ def plan(node: torch.fx.Node) -> _Plan | None:
         if None in map(_hint, (H, D, DO)) or not (statically_known_true(val(x).shape[lx.index(h)] == H)
                                      and statically_known_true(val(x).shape[lx.index(d)] == D)):
             continue
-        return _Plan(x, w, [lx.index(c) for c in order[:-1]] + [lx.index(d)], [lw.index(h), lw.index(o), lw.index(d)],
-                     [order.index(c) for c in lo], H, D, DO)
-    return None
+        found.append(_Plan(x, w, [lx.index(c) for c in order[:-1]] + [lx.index(d)],
+                           [lw.index(h), lw.index(o), lw.index(d)], [order.index(c) for c in lo], H, D, DO))
+    return found
 
 
 def _permuted(graph, node, perm):
@@ -122,12 +124,10 @@ def _refusal(p: _Plan) -> str | None:
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     graph = gm.graph
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target is aten.einsum.default]:
-        p = plan(node)
+        readings = [(p, _refusal(p)) for p in plans(node)]
+        p, why = next(((p, why) for p, why in readings if why != "large"), (None, None))
         fake_mode = getattr(val(p.x), "fake_mode", None) if p is not None else None
         if fake_mode is None:
-            continue
-        why = _refusal(p)
-        if why == "large":
             continue
         where = location(node)
         if why:
