@@ -85,8 +85,8 @@ def forward(key, x, w):
         DP, OP, BM = _tiles(D, DO, TILE)
         ints = (M, H, *x3.stride(), *w.stride())
         meta = dict(DO=DO, D=D, OP=OP, DP=DP, BM=BM, BH=BH, num_warps=8 if BM * BH * DP * OP >= TILE else 4)
-        _LAUNCHES.launch(("fwd", x.device, ints, DO, D), _kernel("headwise.py.jinja"), (_cdiv(M, BM), _cdiv(H, BH)),
-                         (x3, w, y, *ints), meta, (x3, w, y))
+        _LAUNCHES.launch(("fwd", x.device, x.dtype, ints, DO, D), _kernel("headwise.py.jinja"),
+                         (_cdiv(M, BM), _cdiv(H, BH)), (x3, w, y, *ints), meta, (x3, w, y))
     return y.view(*x.shape[:-1], DO)
 
 
@@ -107,6 +107,6 @@ def weight_grad(key, dy, x):
     parts = torch.empty(chunks, H, DO, D, dtype=torch.float32, device=x.device)  # every program writes its own
     ints = (M, H, *dy3.stride(), *x3.stride())
     meta = dict(DO=DO, D=D, OP=OP, DP=DP, ROWS=ROWS, BM=BM, BH=BH, num_warps=8)
-    _LAUNCHES.launch(("wgrad", x.device, ints, DO, D), _kernel("headwise_weight_grad.py.jinja"),
+    _LAUNCHES.launch(("wgrad", x.device, x.dtype, ints, DO, D), _kernel("headwise_weight_grad.py.jinja"),
                      (chunks, _cdiv(H, BH)), (dy3, x3, parts, *ints), meta, (dy3, x3, parts))
     return parts.sum(0)
