@@ -43,6 +43,15 @@ BENCH_WARMUP_MS = {True: 300, False: 50}
 BENCH_REP_MS = {True: 1000, False: 300}
 
 
+def _ratios_to_first(rows: list) -> list:
+    """rows with both ratio columns set to each row's time over the first row's (the runners whose
+    first row is their reference)."""
+    base = rows[0]["ms"] if rows else 1.0
+    for r in rows:
+        r["vs_cublas"], r["vs_xaccel"] = r["ms"] / base, r["ms"] / base
+    return rows
+
+
 def _bench(fn, train: bool, grad_to_none=None) -> float:
     """Median ms per call of fn (triton.testing.do_bench, L2 flushed before each call)."""
     return _bench_calls(fn, train, grad_to_none)[0]
@@ -254,10 +263,7 @@ def run_decode_case(case: Case) -> list:
                 q=x[0], k=x[1], v=x[2], i=x[3][..., None], f=x[4][..., None], c=state[0], n=state[1], m=m3), False))
     except Exception as e:  # noqa: BLE001 - an anchor that cannot run is reported, not fatal
         print(f"  xLSTM library steps not run: {type(e).__name__}: {str(e)[:120]}")
-    base = rows[0]["ms"]
-    for r in rows:
-        r["vs_cublas"], r["vs_xaccel"] = r["ms"] / base, r["ms"] / base
-    return rows
+    return _ratios_to_first(rows)
 
 
 def run_mlstm_case(case: Case) -> list:
@@ -320,10 +326,7 @@ def run_mlstm_case(case: Case) -> list:
         if q.shape[-1] == v.shape[-1]:
             add("causal SDPA, same q/k/v", _bench(
                 lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), False))
-    base = rows[0]["ms"]
-    for r in rows:
-        r["vs_cublas"], r["vs_xaccel"] = r["ms"] / base, r["ms"] / base
-    return rows
+    return _ratios_to_first(rows)
 
 
 def slstm_seq(B, T, NH, D):
@@ -408,10 +411,7 @@ def run_slstm_case(case: Case) -> list:
                 print(f"  FlashRNN {backend} not run: {type(e).__name__}: {str(e)[:160]}")
     except ImportError as e:
         print(f"  FlashRNN anchors not run: {e}")
-    base = rows[0]["ms"]
-    for r in rows:
-        r["vs_cublas"], r["vs_xaccel"] = r["ms"] / base, r["ms"] / base
-    return rows
+    return _ratios_to_first(rows)
 
 
 def slstm_decode(B, NH=4, D=192):
@@ -449,10 +449,7 @@ def run_slstm_decode_case(case: Case) -> list:
         add("xaccel step (Triton)", _bench(step, False), f"rel err vs fp32 reference {err:.1e}")
         add("xaccel step, CUDA graph", _bench(_graphed(step), False))
         add("eager reference step", _bench(lambda: reference.step(Wx, R, b, *state, *variant), False))
-    base = rows[0]["ms"]
-    for r in rows:
-        r["vs_cublas"], r["vs_xaccel"] = r["ms"] / base, r["ms"] / base
-    return rows
+    return _ratios_to_first(rows)
 
 
 def slstm_model(E=768, blocks=8, slstm_at=(7,), B=16, S=1024):
@@ -539,10 +536,7 @@ def run_slstm_model_case(case: Case) -> list:
             _empty_cache()
         except Exception as e:  # noqa: BLE001 - a configuration that cannot run is a finding, not a crash
             print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-    base = rows[0]["ms"] if rows else 1.0
-    for r in rows:
-        r["vs_cublas"], r["vs_xaccel"] = r["ms"] / base, r["ms"] / base
-    return rows
+    return _ratios_to_first(rows)
 
 
 def run_slstm_model_decode_case(case: Case) -> list:
@@ -578,10 +572,7 @@ def run_slstm_model_decode_case(case: Case) -> list:
             _empty_cache()
         except Exception as e:  # noqa: BLE001 - a configuration that cannot run is a finding, not a crash
             print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-    base = rows[0]["ms"] if rows else 1.0
-    for r in rows:
-        r["vs_cublas"], r["vs_xaccel"] = r["ms"] / base, r["ms"] / base
-    return rows
+    return _ratios_to_first(rows)
 
 
 # the xlstm package's kernel settings: its pure-PyTorch configuration, which xaccel compiles, and
@@ -632,10 +623,7 @@ def run_model_case(case: Case) -> list:
     for name, (kernels, env, kwargs) in configs.items():
         with mock.patch.dict(os.environ, env):  # restored afterwards, unset ones removed again
             _model_config_rows(name, kernels, dims, dev, tokens, add, kwargs)
-    base = rows[0]["ms"] if rows else 1.0
-    for r in rows:
-        r["vs_cublas"], r["vs_xaccel"] = r["ms"] / base, r["ms"] / base
-    return rows
+    return _ratios_to_first(rows)
 
 
 def _settle_cutlass(run) -> str:
