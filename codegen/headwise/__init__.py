@@ -3,4 +3,4 @@
 - triton_kernels.py + templates/headwise{,_weight_grad}.py.jinja: the forward (also the input
   gradient) and the weight gradient
 """
-from .triton_kernels import DTYPES, MAX_BLOCK, forward, weight_grad, why_not  # noqa: F401
+from .triton_kernels import DTYPES, MAX_BLOCK, forward, weight_grad  # noqa: F401

@@ -10,6 +10,7 @@ import hashlib
 from pathlib import Path
 
 import torch
+from triton import cdiv, next_power_of_2
 
 from .. import cache
 from ..limits import INT32_LIMIT
@@ -54,14 +55,6 @@ def _uncovered(x, H: int, DO: int, D: int) -> str | None:
     return None
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def _rows_of(t, H: int, last: int):
     """t as [M, H, last], a view where its layout allows (else a copy)."""
     return t.reshape(-1, H, last)
@@ -69,7 +62,7 @@ def _rows_of(t, H: int, last: int):
 
 def _tiles(D: int, DO: int, budget: int) -> tuple[int, int, int]:
     """(DP, OP, BM): D and DO rounded up to powers of two, and the rows per program that fill budget."""
-    DP, OP = _pow2(D), _pow2(DO)
+    DP, OP = next_power_of_2(D), next_power_of_2(DO)
     return DP, OP, max(1, min(64, budget // (BH * DP * OP)))
 
 
@@ -86,7 +79,7 @@ def forward(key, x, w):
         ints = (M, H, *x3.stride(), *w.stride())
         meta = dict(DO=DO, D=D, OP=OP, DP=DP, BM=BM, BH=BH, num_warps=8 if BM * BH * DP * OP >= TILE else 4)
         _LAUNCHES.launch(("fwd", x.device, x.dtype, ints, DO, D), _kernel("headwise.py.jinja"),
-                         (_cdiv(M, BM), _cdiv(H, BH)), (x3, w, y, *ints), meta, (x3, w, y))
+                         (cdiv(M, BM), cdiv(H, BH)), (x3, w, y, *ints), meta, (x3, w, y))
     return y.view(*x.shape[:-1], DO)
 
 
@@ -99,14 +92,13 @@ def weight_grad(key, dy, x):
         return NotImplemented
     x3, dy3 = _rows_of(x, H, D), _rows_of(dy, H, DO)
     M = x3.shape[0]
-    DP, OP, BM = _tiles(D, DO, WGRAD_TILE)
-    BM = min(BM, ROWS)
-    chunks = max(1, _cdiv(M, ROWS))
     if not M:
         return torch.zeros(H, DO, D, dtype=torch.float32, device=x.device)
+    DP, OP, BM = _tiles(D, DO, WGRAD_TILE)
+    BM, chunks = min(BM, ROWS), cdiv(M, ROWS)
     parts = torch.empty(chunks, H, DO, D, dtype=torch.float32, device=x.device)  # every program writes its own
     ints = (M, H, *dy3.stride(), *x3.stride())
     meta = dict(DO=DO, D=D, OP=OP, DP=DP, ROWS=ROWS, BM=BM, BH=BH, num_warps=8)
     _LAUNCHES.launch(("wgrad", x.device, x.dtype, ints, DO, D), _kernel("headwise_weight_grad.py.jinja"),
-                     (chunks, _cdiv(H, BH)), (dy3, x3, parts, *ints), meta, (dy3, x3, parts))
+                     (chunks, cdiv(H, BH)), (dy3, x3, parts, *ints), meta, (dy3, x3, parts))
     return parts.sum(0)

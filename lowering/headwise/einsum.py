@@ -107,13 +107,18 @@ def _permuted(graph, node, perm):
     return out
 
 
+def _large(p: _Plan) -> bool:
+    """Blocks the kernel leaves to cuBLAS (GEMMs): not this pattern, so not reported."""
+    from torch_xaccel.codegen.headwise import MAX_BLOCK
+
+    return _hint(p.D) > MAX_BLOCK or _hint(p.DO) > MAX_BLOCK
+
+
 def _refusal(p: _Plan) -> str | None:
-    """"large" for blocks the kernel leaves to cuBLAS, a reason to report, or None."""
-    from torch_xaccel.codegen.headwise import DTYPES, MAX_BLOCK
+    """Why a per-head map with small blocks is left as written (reported), or None."""
+    from torch_xaccel.codegen.headwise import DTYPES
 
     x, w = val(p.x), val(p.w)
-    if _hint(p.D) > MAX_BLOCK or _hint(p.DO) > MAX_BLOCK:
-        return "large"
     if not (x.is_floating_point() and w.dtype == x.dtype):
         return f"operands {x.dtype} x {w.dtype}"
     if x.device.type == "cuda" and x.dtype not in DTYPES:
@@ -124,12 +129,12 @@ def _refusal(p: _Plan) -> str | None:
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     graph = gm.graph
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target is aten.einsum.default]:
-        readings = [(p, _refusal(p)) for p in plans(node)]
-        p, why = next(((p, why) for p, why in readings if why != "large"), (None, None))
+        p = next((p for p in plans(node) if not _large(p)), None)
         fake_mode = getattr(val(p.x), "fake_mode", None) if p is not None else None
         if fake_mode is None:
             continue
         where = location(node)
+        why = _refusal(p)
         if why:
             ctx.report.fallbacks.append(Fallback(FAMILY, f"headwise einsum '{node.args[0]}' left as written: {why}",
                                                  where))
