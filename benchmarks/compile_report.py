@@ -120,7 +120,8 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False,
                              if template == "mlstm_bwd_states.py.jinja" else
                              dict(has_state=False) if template == "mlstm_bwd_route.py.jinja" else {})
                     fn = _load(*mlstm_triton._render(template, dtype, False, **extra))
-                    cons = dict(DK=DK, DV=DV, L=cfg["L"], **{k: v for k, v in tiles.items() if k not in ("DVS", "DKS")})
+                    cons = dict(DK=DK, DV=DV, DKR=DK, DVR=DV, L=cfg["L"],
+                                **{k: v for k, v in tiles.items() if k not in ("DVS", "DKS")})
                     cons = {k: v for k, v in cons.items() if k in fn.arg_names}  # the gates kernel takes L alone
                     print(f"{template.split('.')[0]:20s} DK{DK} DV{DV} {cons} {warps} warps {cfg['stages']} stages: "
                           f"{report(fn, types_for(fn), cons, warps, cfg['stages'])}", flush=True)

@@ -3,7 +3,8 @@ op from templates/; the block sizes are compile-time constants.
 
 A per-head map with blocks of a few elements (the xlstm package's q, k, v projections use 4 x 4)
 is no GEMM: cuBLAS runs it as a batched GEMM of 4-wide tiles after permuting x into [H, M, D],
-both far from memory speed. These kernels read x in place and write y once."""
+both far from memory speed. These kernels read x in place and write y once: a program takes a
+group of heads whose blocks form one block-diagonal matrix and runs it as a tensor-core dot."""
 from __future__ import annotations
 
 import hashlib
@@ -20,20 +21,25 @@ from ..triton_launch import LaunchCache
 TEMPLATES = Templates(Path(__file__).parent / "templates")
 MAX_BLOCK = 16  # D and DO up to this; larger blocks are GEMMs that cuBLAS runs well
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-TILE = 16384  # elements of a forward program's [BM, BH, DO, D] product (64 fp32 registers per thread at 8 warps)
-WGRAD_TILE = 8192  # the weight gradient's [BM, BH, DO, D] accumulator, beside its loads
-BH = 32  # heads per program: at 4 x 4 blocks, 128 contiguous elements of each x row
-ROWS = 256  # rows each weight-gradient program sums
+BLOCK_DIAGONAL = 64  # a program's block-diagonal matrix spans up to this many x and y columns
+BM, WARPS = 64, 4  # a forward program's rows
+WGRAD_BM, ROWS, WGRAD_WARPS = 64, 256, 4  # the weight gradient's row tile; rows each program sums
 _KERNELS: dict = {}
 _LAUNCHES = LaunchCache()  # a projection runs at a few shapes per model: from its second call, directly
 
 
-def _kernel(template: str):
-    if template not in _KERNELS:
-        name = template.split(".")[0] + "_" + hashlib.sha256(f"{template}|{TEMPLATES.digest}".encode()).hexdigest()[:12]
-        source = TEMPLATES.render(template, kernel_name=name)
-        _KERNELS[template] = getattr(cache.load_source(name, source), name)
-    return _KERNELS[template]
+def _kernel(template: str, precision: str):
+    if (template, precision) not in _KERNELS:
+        digest = hashlib.sha256(f"{template}|{precision}|{TEMPLATES.digest}".encode()).hexdigest()[:12]
+        name = template.split(".")[0] + "_" + digest
+        source = TEMPLATES.render(template, kernel_name=name, precision=precision)
+        _KERNELS[template, precision] = getattr(cache.load_source(name, source), name)
+    return _KERNELS[template, precision]
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """fp32 inputs multiply in full fp32 (TF32 would round x and w to 10 mantissa bits)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def why_not(x, w) -> str | None:
@@ -56,14 +62,34 @@ def _uncovered(x, H: int, DO: int, D: int) -> str | None:
 
 
 def _rows_of(t, H: int, last: int):
-    """t as [M, H, last], a view where its layout allows (else a copy)."""
-    return t.reshape(-1, H, last)
+    """t as [B1, S1, H, last], a view where its layout allows (else a copy): one batch of rows
+    when they share a stride, else its innermost leading dim as S1 (a transposed activation,
+    [B, S, H, D] with S innermost, is read in place)."""
+    for shape in ((1, -1, H, last), (-1, t.shape[-3] if t.dim() > 2 else 1, H, last)):
+        try:
+            return t.view(shape)
+        except RuntimeError:
+            pass
+    return t.reshape(1, -1, H, last)
 
 
-def _tiles(D: int, DO: int, budget: int) -> tuple[int, int, int]:
-    """(DP, OP, BM): D and DO rounded up to powers of two, and the rows per program that fill budget."""
-    DP, OP = next_power_of_2(D), next_power_of_2(DO)
-    return DP, OP, max(1, min(64, budget // (BH * DP * OP)))
+def _same_rows(x, dy, H: int, D: int, DO: int):
+    """x and dy as [B1, S1, H, *] with the same row split: x's own where dy's layout takes it (a
+    contiguous dy takes any), else dy's, else both as one batch of rows (a copy)."""
+    x4, dy4 = _rows_of(x, H, D), _rows_of(dy, H, DO)
+    for a, b, last in ((x4, dy, DO), (dy4, x, D)):
+        try:
+            other = b.view(*a.shape[:2], H, last)
+        except RuntimeError:
+            continue
+        return (a, other) if a is x4 else (other, a)
+    return x.reshape(1, -1, H, D), dy.reshape(1, -1, H, DO)
+
+
+def _tiles(D: int, DO: int) -> tuple[int, int, int]:
+    """(G, BK, BN): heads per program and its block-diagonal matrix's dims (tl.dot needs >= 16)."""
+    G = max(1, BLOCK_DIAGONAL // max(D, DO))
+    return G, max(16, next_power_of_2(G * D)), max(16, next_power_of_2(G * DO))
 
 
 def forward(key, x, w):
@@ -71,16 +97,18 @@ def forward(key, x, w):
     if why_not(x, w) is not None:
         return NotImplemented
     H, DO, D = w.shape
-    x3 = _rows_of(x, H, D)
-    M = x3.shape[0]
-    y = torch.empty(M, H, DO, dtype=x.dtype, device=x.device)
-    if M:
-        DP, OP, BM = _tiles(D, DO, TILE)
-        ints = (M, H, *x3.stride(), *w.stride())
-        meta = dict(DO=DO, D=D, OP=OP, DP=DP, BM=BM, BH=BH, num_warps=8 if BM * BH * DP * OP >= TILE else 4)
-        _LAUNCHES.launch(("fwd", x.device, x.dtype, ints, DO, D), _kernel("headwise.py.jinja"),
-                         (cdiv(M, BM), cdiv(H, BH)), (x3, w, y, *ints), meta, (x3, w, y))
-    return y.view(*x.shape[:-1], DO)
+    x4 = _rows_of(x, H, D)
+    B1, S1 = x4.shape[:2]
+    y = torch.empty(*x.shape[:-1], DO, dtype=x.dtype, device=x.device)
+    if y.numel():
+        G, BK, BN = _tiles(D, DO)
+        tiles = cdiv(S1, BM)
+        flat = x4.stride(3) == 1 and x4.stride(2) == D
+        ints = (H, S1, tiles, *x4.stride(), *w.stride())
+        meta = dict(DO=DO, D=D, G=G, BM=BM, BK=BK, BN=BN, X_FLAT=flat, num_warps=WARPS)
+        _LAUNCHES.launch(("fwd", x.device, x.dtype, ints, DO, D), _kernel("headwise.py.jinja", _precision(x.dtype)),
+                         (B1 * tiles, cdiv(H, G)), (x4, w, y, *ints), meta, (x4, w, y))
+    return y
 
 
 def weight_grad(key, dy, x):
@@ -90,15 +118,17 @@ def weight_grad(key, dy, x):
     H, D, DO = x.shape[-2], x.shape[-1], dy.shape[-1]
     if _uncovered(x, H, DO, D) is not None:
         return NotImplemented
-    x3, dy3 = _rows_of(x, H, D), _rows_of(dy, H, DO)
-    M = x3.shape[0]
-    if not M:
+    x4, dy4 = _same_rows(x, dy, H, D, DO)
+    B1, S1 = x4.shape[:2]
+    if not x4.numel():
         return torch.zeros(H, DO, D, dtype=torch.float32, device=x.device)
-    DP, OP, BM = _tiles(D, DO, WGRAD_TILE)
-    BM, chunks = min(BM, ROWS), cdiv(M, ROWS)
-    parts = torch.empty(chunks, H, DO, D, dtype=torch.float32, device=x.device)  # every program writes its own
-    ints = (M, H, *dy3.stride(), *x3.stride())
-    meta = dict(DO=DO, D=D, OP=OP, DP=DP, ROWS=ROWS, BM=BM, BH=BH, num_warps=8)
-    _LAUNCHES.launch(("wgrad", x.device, x.dtype, ints, DO, D), _kernel("headwise_weight_grad.py.jinja"),
-                     (chunks, cdiv(H, BH)), (dy3, x3, parts, *ints), meta, (dy3, x3, parts))
+    G, BK, BN = _tiles(D, DO)
+    chunks = cdiv(S1, ROWS)
+    parts = torch.empty(B1 * chunks, H, DO, D, dtype=torch.float32, device=x.device)  # every program writes its own
+    ints = (H, S1, chunks, *dy4.stride(), *x4.stride())
+    meta = dict(DO=DO, D=D, G=G, ROWS=ROWS, BM=WGRAD_BM, BK=BK, BN=BN, X_POSITIONS_INNER=x4.stride(1) == 1 and S1 > 1,
+                num_warps=WGRAD_WARPS)
+    _LAUNCHES.launch(("wgrad", x.device, x.dtype, ints, DO, D),
+                     _kernel("headwise_weight_grad.py.jinja", _precision(x.dtype)),
+                     (B1 * chunks, cdiv(H, G)), (dy4, x4, parts, *ints), meta, (dy4, x4, parts))
     return parts.sum(0)

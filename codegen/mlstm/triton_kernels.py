@@ -37,8 +37,10 @@ def _render(template: str, dtype: torch.dtype, s_constexpr: bool, **extra) -> tu
     precision = "tf32" if tf32 else "ieee"
     key = f"{template}|{dtype}|{precision}|{s_constexpr}|{sorted(extra.items())}"
     name = template.split(".")[0] + "_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    masks = dict(mk=" & (offs_k < DKR)[None, :]" if extra.get("pad_k") else "",
+                 mv=" & (offs_v < DVR)[None, :]" if extra.get("pad_v") else "")
     src = TEMPLATES.render(template, kernel_name=name, dot_dtype=str(dtype), precision=precision,
-                           s_constexpr=s_constexpr, **extra)
+                           s_constexpr=s_constexpr, **masks, **extra)
     return name, src
 
 
@@ -80,8 +82,8 @@ def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch, kept: bool = Fa
     default. kept: a forward that keeps its chunk states (its configs at the states' chunk length
     `chunk`) or a backward that reads them (no scan): their own decisions, since that changes
     what is timed."""
-    B, H, S, DK = q.shape
-    DV = v.shape[-1]
+    B, H, S = q.shape[:3]
+    DK, DV = configs.padded(q.shape[-1]), configs.padded(v.shape[-1])
     size = q.element_size()
     config, candidates = ((configs.forward_config, configs.forward_candidates) if phase == "fwd"
                           else (configs.backward_config, configs.backward_candidates))
@@ -89,7 +91,7 @@ def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch, kept: bool = Fa
         config, candidates = configs.at_chunk(config, chunk), configs.at_chunk(candidates, chunk)
     if interpreting() or q.device.type != "cuda" or not settings.current().tune:
         return config(DK, DV, size)
-    parts = (f"mlstm_{phase}{'|kept' if kept else ''}{chunk or ''}|{q.dtype}|DK{DK}|DV{DV}|"
+    parts = (f"mlstm_{phase}{'|kept' if kept else ''}{chunk or ''}|{q.dtype}|DK{q.shape[-1]}|DV{v.shape[-1]}|"
              f"S~{1 << (S - 1).bit_length()}|BH~{1 << (B * H - 1).bit_length()}")
     key = tuning.key("mlstm", parts, q.device, TEMPLATES.digest)
     if key in _CHOSEN:
@@ -202,14 +204,14 @@ def _rows(*ts: torch.Tensor) -> list[int]:
     return [ts[0].shape[1]] + [st for t in ts for st in t.stride()[:3]]
 
 
-def chunk_states(k, v, i, f, C0, n0, m0, cfg, scale=None):
+def chunk_states(k, v, i, f, C0, n0, m0, cfg):
     """Run the sequential scan: (Cs, ns, ms) the state entering each chunk ([B*H*NC*DK*DV] in the
     input dtype, [.. DK] and [..] fp32) and the final state (C, n, m) in fp32: mlstm_chunk_gates
     prepares every chunk's gate terms in parallel, then mlstm_chunk_states walks the chunks with
-    one matmul per step. scale: of q k^T (default DK^-0.5; a zero-padded head passes its own)."""
-    B, H, S, DK = k.shape
-    scale = DK ** -0.5 if scale is None else scale
-    DV = v.shape[-1]
+    one matmul per step. States at the kernels' head dims (_head: C0 and n0 padded to them)."""
+    B, H, S = k.shape[:3]
+    dims = _head(k, v)
+    DK, DV, scale = dims["DK"], dims["DV"], dims["DKR"] ** -0.5
     L, BK, BVS, stages = cfg["L"], cfg["BK"], cfg["BVS"], cfg["stages"]
     NC = -(-S // L)
     dev, f32 = k.device, torch.float32
@@ -232,9 +234,9 @@ def chunk_states(k, v, i, f, C0, n0, m0, cfg, scale=None):
         gates = [torch.empty(B * H * NC * L, dtype=f32, device=dev), torch.empty(B * H * NC * 2, dtype=f32, device=dev)]
         _launch(_kernel("mlstm_chunk_gates.py.jinja", k.dtype), (B * H, NC), i, f, *gates, *_rows(i, f), S, NC, L=L)
     _launch(_kernel("mlstm_chunk_states.py.jinja", k.dtype, has_state=has_state, gate_factors=gate_factors,
-                    loads_first=bool(cfg.get("LF"))),
+                    loads_first=bool(cfg.get("LF")), **_masks(dims)),
         (B * H, DK // BK, DV // BVS), k, v, i, f, C0, n0, m0, Cs, ns, ms, C, n, m, *gates, *_rows(k, v, i, f), S, NC,
-        scale, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=configs.scan_warps(cfg), num_stages=stages)
+        scale, **dims, BK=BK, BV=BVS, L=L, num_warps=configs.scan_warps(cfg), num_stages=stages)
     return (Cs, ns, ms), (C, n, m)
 
 
@@ -252,7 +254,9 @@ def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size, keep_chunk_states=F
         return NotImplemented
     padding = _padding(q.shape[-1], v.shape[-1])
     if padding:  # (a keeping forward's states would not have the op's shapes: the lowering asks for none here)
-        return NotImplemented if keep_chunk_states else _padded_forward(padding, q, k, v, i, f, C0, n0, m0, eps)
+        if keep_chunk_states:
+            return NotImplemented
+        C0, n0 = _pad(C0, *padding), _pad(n0, padding[0])
     q, k, v, i, f = (_strided(t) for t in (q, k, v, i, f))
     if not keep_chunk_states:
         cfg = _tuned("fwd", q, v, lambda c: _forward(c, q, k, v, i, f, C0, n0, m0, eps))
@@ -262,10 +266,11 @@ def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size, keep_chunk_states=F
 
 
 def _padding(DK: int, DV: int) -> tuple[int, int] | None:
-    """(DK, DV) zero columns to add where a head dim lies between the kernels' sizes, else None.
-    Zero q and k columns add nothing to q k^T, q.n or the states' rows, zero v columns give zero
-    h and state columns, and the scale stays the true DK^-0.5: the cut outputs are the unpadded
-    op's, for a copy of the inputs and outputs and up to twice the work (384 runs as 512)."""
+    """(DK, DV) columns by which a head dim between the kernels' sizes falls short of the size it
+    runs at, else None. The kernels read such a head as if zero-padded (_head): zero q and k
+    columns add nothing to q k^T, q.n or the states' rows, zero v columns give zero h and state
+    columns, and the scale stays the true DK^-0.5. Only the states (C0, n0 and their gradients'
+    inputs) are padded copies; the results are cut to the op's dims."""
     pk, pv = configs.padded(DK) - DK, configs.padded(DV) - DV
     return (pk, pv) if pk or pv else None
 
@@ -279,27 +284,17 @@ def _pad(t, *widths):
     return F.pad(t, [p for w in reversed(widths) for p in (0, w)])
 
 
-def _padded_forward(padding, q, k, v, i, f, C0, n0, m0, eps):
-    DK, DV = q.shape[-1], v.shape[-1]
-    pk, pv = padding
-    q, k, v, C0, n0 = _pad(q, pk), _pad(k, pk), _pad(v, pv), _pad(C0, pk, pv), _pad(n0, pk)
-    i, f = _strided(i), _strided(f)
-    run = lambda c: _forward(c, q, k, v, i, f, C0, n0, m0, eps, scale=DK ** -0.5)  # noqa: E731
-    h, C, n, m = run(_tuned("fwd", q, v, run))
-    return h[..., :DV], C[..., :DK, :DV], n[..., :DK], m
+def _head(q, v) -> dict:
+    """The kernels' head dims: DK, DV the tile sizes they run at (configs.padded), DKR, DVR the
+    tensors' own. Loads of q, k, v, dh and h mask the columns past DKR / DVR to zero and stores of
+    h, dq, dk, dv skip them, so a padded head costs no copy of those tensors."""
+    DKR, DVR = q.shape[-1], v.shape[-1]
+    return dict(DK=configs.padded(DKR), DV=configs.padded(DVR), DKR=DKR, DVR=DVR)
 
 
-def _padded_backward(padding, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h):
-    """The gradients of the padded op, cut (ops/mlstm/op puts them in the layout its fake promises)."""
-    DK, DV = q.shape[-1], v.shape[-1]
-    pk, pv = padding
-    q, k, v, h, dh = _pad(q, pk), _pad(k, pk), _pad(v, pv), _pad(h, pv), _pad(dh, pv)
-    C0, n0, gC, gn = _pad(C0, pk, pv), _pad(n0, pk), _pad(gC, pk, pv), _pad(gn, pk)
-    i, f = _strided(i), _strided(f)
-    run = lambda c: _backward(c, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, scale=DK ** -0.5)  # noqa: E731
-    dq, dk, dv, di, df, dC0, dn0, dm0 = run(_tuned("bwd", q, v, run))
-    cut = [dq[..., :DK], dk[..., :DK], dv[..., :DV], di, df]
-    return cut + ([None] * 3 if dC0 is None else [dC0[..., :DK, :DV], dn0[..., :DK], dm0])
+def _masks(dims: dict) -> dict:
+    """The templates' switches for the column masks of a padded head (unpadded kernels have none)."""
+    return dict(pad_k=dims["DK"] != dims["DKR"], pad_v=dims["DV"] != dims["DVR"])
 
 
 def forward_keeping_states(key, q, *args):
@@ -332,22 +327,24 @@ def backward_reads_kept_states(device_type: str, dtype: torch.dtype, DK: int, DV
     return device_type == "cuda" and bool(cands) and all(c["L"] == chunk_size for c in cands)
 
 
-def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, keep=False, scale=None):
+def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, keep=False):
     """keep: also return the chunk states and each row's (den_t, m_t) [B*H, 2, S] fp32."""
-    B, H, S, DK = q.shape
-    scale = DK ** -0.5 if scale is None else scale
-    DV = v.shape[-1]
+    B, H, S = q.shape[:3]
+    dims = _head(q, v)
+    DV, DKR, DVR = dims["DV"], dims["DKR"], dims["DVR"]
     L = cfg["L"]
-    (Cs, ns, ms), (C, n, m) = chunk_states(k, v, i, f, C0, n0, m0, cfg, scale)
-    h = torch.empty(B, H, S, DV, dtype=q.dtype, device=q.device)
+    (Cs, ns, ms), (C, n, m) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
+    h = torch.empty(B, H, S, DVR, dtype=q.dtype, device=q.device)
     rows = torch.empty(B * H * 2 * S, dtype=torch.float32, device=q.device) if keep else None
     NC = -(-S // L)
-    args = (q, k, v, i, f, h, Cs, ns, ms, *((rows,) if keep else ()), *_rows(q, k, v, i, f), S, NC, scale, eps)
-    meta = dict(DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=cfg["warps"], num_stages=cfg["stages"])
+    args = (q, k, v, i, f, h, Cs, ns, ms, *((rows,) if keep else ()), *_rows(q, k, v, i, f), S, NC, DKR ** -0.5,
+            eps)
+    meta = dict(**dims, BV=cfg["BV"], L=L, num_warps=cfg["warps"], num_stages=cfg["stages"])
     if cfg.get("BKQ"):  # the sliced output kernel (SLICED)
         meta["BKQ"] = cfg["BKQ"]
-    _launch(_kernel("mlstm_fwd.py.jinja", q.dtype, k_loop=bool(cfg.get("BKQ")), save_rows=keep),
+    _launch(_kernel("mlstm_fwd.py.jinja", q.dtype, k_loop=bool(cfg.get("BKQ")), save_rows=keep, **_masks(dims)),
             (B * H, NC, DV // cfg["BV"]), *args, **meta)
+    C, n = C[..., :DKR, :DVR], n[..., :DKR]  # (views: the whole state where the head is not padded)
     if keep:
         return h, C, n, m, (Cs, ns, ms), rows
     return h, C, n, m
@@ -420,8 +417,9 @@ def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=
     gn = torch.zeros(B, H, DK, device=dev, dtype=f32) if gn is None else gn.float().contiguous()
     gm = torch.zeros(B, H, device=dev, dtype=f32) if gm is None else gm.float()
     padding = _padding(DK, DV)
-    if padding:
-        return _padded_backward(padding, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h)
+    if padding:  # (no kept states: the lowering keeps none at a padded head)
+        pk, pv = padding
+        gC, gn, C0, n0, chunk_states = _pad(gC, pk, pv), _pad(gn, pk), _pad(C0, pk, pv), _pad(n0, pk), ()
     kept = _kept_states(chunk_states, q, v, chunk_size)
     cfg = _tuned("bwd", q, v, lambda c: _backward(c, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept),
                  kept=kept is not None)
@@ -488,12 +486,13 @@ def gates_from_row_sums(rs, cdc, dmT, B: int, H: int, S: int, L: int):
     return r[:, :, 1], (d.flip(-1).cumsum(-1).flip(-1) + ends[..., None]).view(B, H, NC * L)[..., :S]
 
 
-def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None, scale=None):
+def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None):
     import torch.nn.functional as F
 
-    B, H, S, DK = q.shape
-    scale = DK ** -0.5 if scale is None else scale
-    DV = v.shape[-1]
+    B, H, S = q.shape[:3]
+    dims = _head(q, v)
+    DK, DV, DKR, DVR = dims["DK"], dims["DV"], dims["DKR"], dims["DVR"]
+    scale, masks = DKR ** -0.5, _masks(dims)
     dev, f32 = q.device, torch.float32
     L, BK, BVS, warps, stages = cfg["L"], cfg["BK"], cfg["BVS"], cfg["warps"], cfg["stages"]
     switches = settings.current()
@@ -504,24 +503,24 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None,
         (Cs, ns, ms), rows, (CT, nT, mT) = kept[1:]
         rows = rows if switches.saved_rows else None
     else:
-        (Cs, ns, ms), (CT, nT, mT) = chunk_states(k, v, i, f, C0, n0, m0, cfg, scale)
+        (Cs, ns, ms), (CT, nT, mT) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
     N, dden, dm = (torch.empty(B, H, S, device=dev, dtype=f32) for _ in range(3))
     # the scan's row factors r/N, r dden [B, H, S] and each chunk's log forget product g [B*H*NC]
     factors = [torch.empty(n, device=dev, dtype=f32) for n in (B * H * S, B * H * S, B * H * NC)] \
         if row_factors else []
     saved = (rows,) if rows is not None else ()
-    _launch(_kernel("mlstm_bwd_rows.py.jinja", q.dtype, row_factors=row_factors, saved_rows=bool(saved)),
+    _launch(_kernel("mlstm_bwd_rows.py.jinja", q.dtype, row_factors=row_factors, saved_rows=bool(saved), **masks),
         (B * H, NC), q, k, i, f, h, dh, ns, ms, *saved, N, dden, dm, *factors, *_rows(q, k, i, f, dh),
-        S, NC, scale, eps, DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
+        S, NC, scale, eps, **dims, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     dCs, dns = torch.empty_like(Cs), torch.empty_like(ns)
     dC0, dn0 = torch.empty_like(gC), torch.empty_like(gn)
     DVS = cfg.get("DVS")  # split variant: dv in its own kernel, one program per DV tile
     DKS = cfg.get("DKS")  # and dq, dk in theirs, one program per DK tile (without DVS: dv stays in mlstm_bwd_ds)
     dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
     dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)  # per (chunk, scan tile) parts of <C, dC> at the chunk's end
-    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, row_factors=row_factors),
+    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, row_factors=row_factors, **masks),
         (B * H, DK // BK, DV // BVS), q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0,
-        *factors, *_rows(q, dh, i, f), S, NC, NT, DK=DK, DV=DV, BK=BK, BV=BVS, L=L, num_warps=configs.scan_warps(cfg),
+        *factors, *_rows(q, dh, i, f), S, NC, NT, **dims, BK=BK, BV=BVS, L=L, num_warps=configs.scan_warps(cfg),
         num_stages=stages)
     # the stabilizer of the state leaving each chunk, which scales its gradient in dCs, dns
     me = torch.cat((ms.view(B * H, NC)[:, 1:], mT.reshape(B * H, 1).float()), 1).contiguous()
@@ -531,25 +530,25 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None,
     # the gates' gradients from q.dq and k.dk per row and DK tile (gates_from_row_sums says why)
     rs = torch.empty(B * H * (DK // DKS if DKS else 1) * 2 * S, device=dev, dtype=f32)
     if DVS:
-        _launch(_kernel("mlstm_bwd_dv.py.jinja", q.dtype), (B * H, NC, DV // DVS),
+        _launch(_kernel("mlstm_bwd_dv.py.jinja", q.dtype, **masks), (B * H, NC, DV // DVS),
             q, k, v, i, f, dh, ms, me, dCs, N, dv,
-            *_rows(q, k, v, i, f, dh, dv), S, NC, scale, DK=DK, DV=DV, BV=DVS, L=L, num_warps=warps,
+            *_rows(q, k, v, i, f, dh, dv), S, NC, scale, **dims, BV=DVS, L=L, num_warps=warps,
             num_stages=stages)
     if DKS:  # dS scratch: L/DK of q's size (128 MiB at B8 NH16 S8192 128/128)
         dS = torch.empty(B * H * NC * L * L, device=dev, dtype=q.dtype)
         wu = torch.empty(B * H * NC * 2 * L, device=dev, dtype=f32)
-        _launch(_kernel("mlstm_bwd_ds.py.jinja", q.dtype, split_dv=bool(DVS)), (B * H, NC),
+        _launch(_kernel("mlstm_bwd_ds.py.jinja", q.dtype, split_dv=bool(DVS), **masks), (B * H, NC),
             q, k, v, i, f, dh, ms, me, dCs, N, dden, dS, wu, dv, *_rows(q, k, v, i, f, dh, *(() if DVS else (dv,))),
-            S, NC, scale, DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
-        _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype), (B * H, NC, DK // DKS),
+            S, NC, scale, **dims, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
+        _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype, **masks), (B * H, NC, DK // DKS),
             q, k, v, dh, Cs, ns, dCs, dns, N, dden, dS, wu, dq, dk, rs,
             *_rows(q, k, v, dh, dq, dk), S, NC, scale,
-            DK=DK, DV=DV, BK=DKS, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
+            **dims, BK=DKS, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     else:
-        _launch(_kernel("mlstm_bwd.py.jinja", q.dtype, split_dv=bool(DVS)), (B * H, NC),
+        _launch(_kernel("mlstm_bwd.py.jinja", q.dtype, split_dv=bool(DVS), **masks), (B * H, NC),
             q, k, v, i, f, dh, Cs, ns, ms, me, dCs, dns, N, dden, dq, dk, dv, rs,
             *_rows(q, k, v, i, f, dh, dq, dk, *(() if DVS else (dv,))), S, NC, scale,
-            DK=DK, DV=DV, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
+            **dims, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     m0s = m0.float() if C0 is not None else None
     if switches.fused_route:
         di_out, df_out, r_dm0 = route_max_grad(dm, gm, dmT, i, f, rs, dg, L, m0s)
@@ -560,9 +559,9 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None,
         r_di, r_dlogf, r_dm0 = route_max_grads(dm, i32, F.logsigmoid(f32_).cumsum(-1), m0s)
         di_out, df_out = (di + r_di).to(i.dtype), ((dlogf + r_dlogf) * torch.sigmoid(-f32_)).to(f.dtype)
     grads = [dq, dk, dv, di_out, df_out]
-    if C0 is not None:  # dC0, dn0: stabilized by m0, as C0 and n0 are
-        grads += [dC0.to(C0.dtype), dn0.to(n0.dtype),
-                  ((dC0 * C0.float()).sum((-1, -2)) + (dn0 * n0.float()).sum(-1) + r_dm0).to(m0.dtype)]
+    if C0 is not None:  # dC0, dn0: stabilized by m0, as C0 and n0 are (cut where the head is padded)
+        dm0 = (dC0 * C0.float()).sum((-1, -2)) + (dn0 * n0.float()).sum(-1) + r_dm0
+        grads += [dC0[..., :DKR, :DVR].to(C0.dtype), dn0[..., :DKR].to(n0.dtype), dm0.to(m0.dtype)]
     else:
         grads += [None, None, None]
     return grads

@@ -1,7 +1,8 @@
 """The generated headwise kernels, run by Triton's interpreter on the CPU (fp32 and fp16), against
 the reference in float64: the forward, the input gradient (the forward with w transposed per head,
 a strided view) and the weight gradient, at block sizes that are not powers of two, row counts
-that do not fill a tile or a weight-gradient chunk, and x given as a strided view."""
+that do not fill a tile or a weight-gradient chunk, and x given as a strided view or with its
+positions innermost (read in place)."""
 import textwrap
 
 import pytest
@@ -18,9 +19,14 @@ SCRIPT = textwrap.dedent("""
     bad = 0
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
     for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 2e-3)):
-        for lead, H, D, DO in (((2, 37), 6, 4, 4), ((300,), 5, 3, 7), ((1, 3), 130, 1, 16), ((2, 259), 3, 16, 2)):
-            wide = torch.randn(*lead, H, 2 * D)
-            x = wide[..., :D].to(dtype)  # a strided view, read in place
+        for lead, H, D, DO, layout in (((2, 37), 6, 4, 4, "sliced"), ((300,), 5, 3, 7, "sliced"),
+                                       ((1, 3), 130, 1, 16, "sliced"), ((2, 259), 3, 16, 2, "sliced"),
+                                       ((2, 3, 133), 20, 4, 4, "transposed"), ((150,), 7, 5, 3, "transposed")):
+            if layout == "sliced":  # a strided view, read in place
+                x = torch.randn(*lead, H, 2 * D)[..., :D].to(dtype)
+            else:  # positions innermost, as a convolution's output seen as [..., S, H, D]
+                n = len(lead)
+                x = torch.randn(*lead[:-1], H, D, lead[-1]).permute(*range(n - 1), n + 1, n - 1, n).to(dtype)
             w = torch.randn(H, DO, D).to(dtype)
             dy = torch.randn(*lead, H, DO).to(dtype)
             want = reference.forward(x.double(), w.double())
@@ -31,11 +37,11 @@ SCRIPT = textwrap.dedent("""
                     rel(dw, reference.weight_grad(dy.double(), x.double()))]
             shapes_ok = got.shape == want.shape and got.dtype == dtype and dw.shape == w.shape and dx.shape == x.shape
             bad += not shapes_ok or not all(e <= tol for e in errs)
-            print(dtype, lead, H, D, DO, " ".join(f"{e:.1e}" for e in errs))
+            print(dtype, lead, H, D, DO, layout, " ".join(f"{e:.1e}" for e in errs))
     raise SystemExit(bad)
 """)
 
 
 def test_headwise_kernels_match_reference_in_interpreter(tmp_path):
     out = interpret(SCRIPT, tmp_path)
-    assert out.count("\n") == 8, out
+    assert out.count("\n") == 12, out

@@ -50,14 +50,15 @@ def _compile_concurrently(fwd, bwd, x, st, cots, h):
         lambda c: mlstm_triton._backward(c, cots[0], *cots[1:], *x, *st, 1e-6, h), c))
 
 
-@pytest.mark.parametrize("DK,DV", [(128, 128), (256, 512), (512, 512), (512, 64)])
+@pytest.mark.parametrize("DK,DV", [(128, 128), (256, 512), (512, 512), (512, 64), (384, 384), (96, 160)])
 def test_every_tuning_candidate_matches_reference(DK, DV):
     """Whatever config tuning picks must be right: each forward and backward candidate against
     the fp64 reference / analytic backward, bf16, odd S, with a state (DQK 512: its own, smaller
     configs). Inputs and dh are views as a model's projections hand them over, each in its own
     layout so that a swapped stride shows: q and i transposed ([B, S, H, D] seen as [B, H, S, D]),
     k and dh sliced from wider rows (a fused projection), v and f contiguous. The kernels read
-    them through their strides."""
+    them through their strides. 384/384 and 96/160 run at the next sizes with masked columns (the
+    states handed to the kernels padded, as forward() and backward() pad them)."""
     from torch_xaccel.codegen.mlstm import configs as mlstm_configs, triton_kernels as mlstm_triton
     from torch_xaccel.ops.mlstm import gradient_strides
     from torch_xaccel.ops.mlstm.reference_backward import backward as analytic
@@ -73,15 +74,20 @@ def test_every_tuning_candidate_matches_reference(DK, DV):
     want = mlstm.reference.forward(*(t.double() for t in x + st))
     cots = [wide(DV, torch.float32), mk(B, H, DK, DV), mk(B, H, DK), mk(B, H)]
     want_g = analytic(*(c.double() for c in cots), *(t.double() for t in x + st))
-    _compile_concurrently(mlstm_configs.forward_candidates(DK, DV), mlstm_configs.backward_candidates(DK, DV),
-                          x, st, cots, want[0].to(torch.bfloat16))
+    pk, pv = mlstm_triton._padding(DK, DV) or (0, 0)
+    pad = mlstm_triton._pad
+    st_k = [pad(st[0], pk, pv), pad(st[1], pk), st[2]]
+    cots_k = [cots[0], pad(cots[1], pk, pv), pad(cots[2], pk), cots[3]]
+    DKP, DVP = mlstm_configs.padded(DK), mlstm_configs.padded(DV)
+    _compile_concurrently(mlstm_configs.forward_candidates(DKP, DVP), mlstm_configs.backward_candidates(DKP, DVP),
+                          x, st_k, cots_k, want[0].to(torch.bfloat16))
     h = None
-    for cfg in mlstm_configs.forward_candidates(DK, DV):
-        got = mlstm_triton._forward(cfg, *x, *st, 1e-6)
+    for cfg in mlstm_configs.forward_candidates(DKP, DVP):
+        got = mlstm_triton._forward(cfg, *x, *st_k, 1e-6)
         assert all(rel_err(g, w) <= 1e-2 for g, w in zip(got, want)), cfg
         h = got[0]
-    for cfg in mlstm_configs.backward_candidates(DK, DV):
-        got = mlstm_triton._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, h)
+    for cfg in mlstm_configs.backward_candidates(DKP, DVP):
+        got = mlstm_triton._backward(cfg, *cots_k, *x, *st_k, 1e-6, h)
         _assert_grads_close(got, want_g, st[0], st[1])
         # dq in q's transposed layout (a dense view), dk and dv contiguous: what the op's fake promises
         assert [g.stride() for g in got[:3]] == [gradient_strides(t) for t in x[:3]], cfg

@@ -85,7 +85,7 @@ CANDIDATES_SCRIPT = textwrap.dedent("""
     from torch_xaccel.codegen.mlstm import configs as mlstm_configs, triton_kernels as mlstm_triton
     torch.manual_seed(1)
     bad = 0
-    for DK, DV in [(512, 64), (128, 128)]:
+    for DK, DV in [(512, 64), (128, 128), (100, 72)]:  # (100, 72): a head run as 128/128, columns masked
         # three chunks even at chunk 128, the last one partial; two heads where the split backward's
         # per-(head, chunk) scratch (dS, w, u) is indexed
         B, H, S = 1, (2 if DK < 512 else 1), 260
@@ -98,14 +98,19 @@ CANDIDATES_SCRIPT = textwrap.dedent("""
         want = mlstm.reference.forward(*(t.double() for t in x + st))
         cots = [wide(DV), torch.randn(B, H, DK, DV), torch.randn(B, H, DK), torch.randn(B, H)]
         want_g = analytic(*(c.double() for c in cots), *(t.double() for t in x + st), chunk_size=64)
-        for cfg in mlstm_configs.unique(mlstm_configs.forward_candidates(DK, DV)
-                                        + mlstm_configs.sliced_sweep_configs(DK, DV)):
-            got = mlstm_triton._forward(cfg, *x, *st, 1e-6)
+        pk, pv = mlstm_triton._padding(DK, DV) or (0, 0)  # the kernels take states at the dims they run at
+        pad = mlstm_triton._pad
+        st_k = [pad(st[0], pk, pv), pad(st[1], pk), st[2]]
+        cots_k = [cots[0], pad(cots[1], pk, pv), pad(cots[2], pk), cots[3]]
+        DKP, DVP = mlstm_configs.padded(DK), mlstm_configs.padded(DV)
+        for cfg in mlstm_configs.unique(mlstm_configs.forward_candidates(DKP, DVP)
+                                        + mlstm_configs.sliced_sweep_configs(DKP, DVP)):
+            got = mlstm_triton._forward(cfg, *x, *st_k, 1e-6)
             errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want)]
             print("fwd", DK, DV, cfg, " ".join(f"{e:.1e}" for e in errs))
             bad += not all(e <= 1e-5 for e in errs)  # NaN fails too
-        for cfg in mlstm_configs.backward_candidates(DK, DV):
-            got = mlstm_triton._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, want[0].float())
+        for cfg in mlstm_configs.backward_candidates(DKP, DVP):
+            got = mlstm_triton._backward(cfg, *cots_k, *x, *st_k, 1e-6, want[0].float())
             errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want_g)]
             print("bwd", DK, DV, cfg, " ".join(f"{e:.1e}" for e in errs))
             bad += not all(e <= 1e-5 for e in errs)  # NaN fails too
@@ -192,7 +197,7 @@ def test_xlstm_block_stack_with_a_padded_head_dim_through_the_kernels_in_interpr
 
 
 def test_every_gpu_tuning_candidate_in_interpreter(tmp_path):
-    """The GPU's own tile configs (chunk 16-128, DQK 512's smaller ones included, and the sliced
+    """The GPU's own tile configs (chunk 16-128, DQK 512's smaller ones included, a padded head, and the sliced
     forward kernel's neighbours that benchmarks/mlstm_sweep.py --sliced times), whose logic the
     default interpreter config does not exercise, against the reference in float32; whether they
     fit the GPU is benchmarks/compile_report.py's and the `-m gpu` tests' business."""
@@ -201,7 +206,7 @@ def test_every_gpu_tuning_candidate_in_interpreter(tmp_path):
 
     n = sum(len(mlstm_configs.unique(mlstm_configs.forward_candidates(*hd) + mlstm_configs.sliced_sweep_configs(*hd)))
             + len(mlstm_configs.backward_candidates(*hd))
-            for hd in ((512, 64), (128, 128)))
+            for hd in ((512, 64), (128, 128), (128, 128)))
     assert out.count("\n") == n, out
 
 
