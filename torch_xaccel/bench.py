@@ -1,6 +1,7 @@
 """Side-by-side timings on the GPU, every path measured in one run:
 
-    python -m torch_xaccel.bench gemm|headwise|mlstm|model|slstm [--out DIR] [--quick] [--no-max-autotune] [--only TEXT]
+    python -m torch_xaccel.bench causal_conv|gemm|headwise|mlstm|model|slstm [--out DIR] [--quick]
+        [--no-max-autotune] [--only TEXT]
 
 Prints one table (xaccel, eager, Inductor default, Inductor max-autotune, the cuBLAS matmuls
 alone) with times, TFLOP/s and ratios, checks xaccel against an fp32 reference, and writes
@@ -34,6 +35,7 @@ class Case:
     # "compile": eager vs torch.compile; "mlstm"/"decode": op-level kernels; "model": xLSTMLarge
     runner: str = "compile"
     graphs: bool = False  # also time CUDA-graph replays (decode shapes: CPU launch cost hidden)
+    baseline: str = "cuBLAS matmuls alone"  # what make()'s third function times: the case's floor
     rows: list = field(default_factory=list)
 
 
@@ -173,6 +175,32 @@ def headwise(M, H=384, D=4, DO=4, train=False):
         return f, (x, w), lambda: torch.bmm(xp, wt), step
     return Case(f"headwise einsum M{M}, {H} heads of {D}x{DO}{', train step' if train else ''}",
                 2 * M * H * DO * D * (3 if train else 1), make, train=train)
+
+
+def causal_conv(B, S, C=1536, K=4, train=False):
+    """The xlstm package's CausalConv1d (the 7:1 stack's mLSTM convolution at inner width 1536,
+    kernel size 4: its input a [B, S, C] slice seen as [B, C, S], the output transposed back),
+    bf16; with train, forward + backward of a mean-square loss. The baseline row is one copy of x:
+    the memory traffic a fused convolution cannot go below."""
+    def make():
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(B, S, 2 * C, device="cuda", dtype=torch.bfloat16, generator=g)[..., :C]
+        x = x.detach().requires_grad_(train) if train else x
+        w = (torch.randn(C, 1, K, device="cuda", generator=g) / K ** 0.5).bfloat16().requires_grad_(train)
+        b = torch.randn(C, device="cuda", generator=g).bfloat16().requires_grad_(train)
+
+        def f(x, w, b):
+            return F.conv1d(x.transpose(1, 2), w, b, padding=K - 1, groups=C)[..., :-(K - 1)].transpose(1, 2)
+        dense = x.detach().contiguous()
+
+        def step(fn):
+            def run():
+                x.grad = w.grad = b.grad = None
+                fn(x, w, b).float().square().mean().backward()
+            return run
+        return f, (x, w, b), lambda: dense.clone(), step
+    return Case(f"causal conv1d B{B} S{S} C{C} K{K}{', train step' if train else ''}",
+                2 * B * S * C * K * (3 if train else 1), make, train=train, baseline="one copy of x")
 
 
 def mlp_train(M, d=2048, h=8192, layers=4):
@@ -734,6 +762,8 @@ SUITES = {
     "gemm": lambda quick: ([gelu_residual(4096 if quick else 16384), gelu_residual(128),
                             swiglu(4096 if quick else 16384), mlp_train(4096 if quick else 16384)]),
     "headwise": lambda quick: [headwise(2048 if quick else 16384), headwise(2048 if quick else 16384, train=True)],
+    "causal_conv": lambda quick: [causal_conv(2 if quick else 16, 1024),
+                                  causal_conv(2 if quick else 16, 1024, train=True)],
     "model": lambda quick: [xlstm_model(quick=quick) if not quick else
                             xlstm_model(B=2, S=512 if torch.cuda.is_available() else 128, quick=True)],
     "mlstm": lambda quick: [mlstm_fwd(8, 16, 2048 if quick else 8192, 128, 128),
@@ -767,10 +797,10 @@ def run_case(case: Case, max_autotune: bool) -> list:
 
     print(f"\n{case.name}", flush=True)
     _heat(cublas)
-    add("cuBLAS matmuls alone", _bench(cublas, case.train))
+    add(case.baseline, _bench(cublas, case.train))
     back_to_back = not case.train and not case.graphs and torch.cuda.is_available()
     if back_to_back:  # diagnostic: GPU time alone, to tell kernel time from per-call CPU cost
-        add("cuBLAS alone, back to back", tuning.gpu_ms(cublas), GPU_TIME_NOTE)
+        add(f"{case.baseline}, back to back", tuning.gpu_ms(cublas), GPU_TIME_NOTE)
     add("eager", _bench(step(fn), case.train))
     paths = [("xaccel", dict(backend="xaccel")), ("inductor default", dict())]
     if max_autotune and not case.train:
@@ -798,7 +828,7 @@ def run_case(case: Case, max_autotune: bool) -> list:
                     extra += f", rel err vs fp32 {_rel(compiled(*args), ref):.1e}"
             if path == "xaccel":
                 from torch_xaccel.report import last_report
-                extra += f", replaced {last_report(1).counts()['gemm_epilogue']}"
+                extra += f", replaced {({k: v for k, v in last_report(1).counts().items() if v}) or 'nothing'}"
                 picked = [("ATen" if v is None else "/".join(map(str, v))) for k, v in gemm_kernels._DECISIONS.items()
                           if k not in before]
                 extra += f", kernels: {'; '.join(picked) or 'cached'}"
@@ -810,7 +840,7 @@ def run_case(case: Case, max_autotune: bool) -> list:
         except Exception as e:  # noqa: BLE001 - a failing path is a finding, not a crash
             print(f"  {path:28s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
     if not case.graphs:  # the first row again, after everything else: how far the clocks moved meanwhile
-        add("cuBLAS matmuls alone, again", _bench(cublas, case.train), "measured last, as a check of the first row")
+        add(f"{case.baseline}, again", _bench(cublas, case.train), "measured last, as a check of the first row")
     base = rows[0]["ms"]
     xa = next((r["ms"] for r in rows if r["path"] == "xaccel"), None)
     for r in rows:

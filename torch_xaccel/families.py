@@ -81,6 +81,15 @@ FAMILIES: tuple[Family, ...] = (
         onnx={"headwise": "torch_xaccel.ops.headwise.onnx:headwise_function"},
     ),
     Family(
+        "causal_conv",
+        passes={"causal_conv": "torch_xaccel.lowering.causal_conv.conv1d:run"},
+        ops="torch_xaccel.ops.causal_conv",
+        providers={"causal_conv1d": "torch_xaccel.codegen.causal_conv:forward",
+                   "causal_conv1d_backward": "torch_xaccel.codegen.causal_conv:backward"},
+        onnx={"causal_conv1d": "torch_xaccel.ops.causal_conv.onnx:causal_conv1d_function"},
+        emits={"causal_conv": ("causal_conv1d",)},
+    ),
+    Family(
         "slstm",
         passes={"slstm": "torch_xaccel.lowering.slstm.sequence:run",
                 "slstm_step": "torch_xaccel.lowering.slstm.step:run"},
@@ -100,7 +109,7 @@ FAMILIES: tuple[Family, ...] = (
 # (and per-head einsums) the GEMM and headwise passes would otherwise take, and each family's step
 # pass runs before its sequence form so that the steps it replaces are not reported as
 # unrecognized sequences.
-PASS_ORDER: tuple[str, ...] = ("slstm_step", "slstm", "mlstm_step", "mlstm", "headwise",
+PASS_ORDER: tuple[str, ...] = ("slstm_step", "slstm", "mlstm_step", "mlstm", "headwise", "causal_conv",
                                "gemm_epilogue")
 
 PATTERNS: tuple[str, ...] = tuple(p for f in FAMILIES for p in f.patterns)  # what XACCEL_PATTERNS accepts

@@ -1,0 +1,154 @@
+"""Pattern "causal_conv": a causal depthwise convolution over positions, rewritten to
+torch.ops.xaccel.causal_conv1d.
+
+A `conv1d` (or `convolution`) of x [B, C, S] with w [C, 1, K], groups == C, stride and dilation
+1, in either of the two forms causal code takes:
+
+    conv1d(x, w, b, padding=K - 1, groups=C)[..., :S]          (the xlstm package's CausalConv1d;
+                                                                 the cut as :S or :-(K - 1))
+    conv1d(pad(x, (K - 1, 0)), w, b, groups=C)                 (Mamba-style code)
+
+Every user of the convolution must be that cut in the first form. Other convolutions are not this
+pattern and stay as written, unreported.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from torch_xaccel.report import Fallback, Replacement
+
+from .. import PassContext
+from ..graph_utils import location, val
+
+FAMILY = "causal_conv"
+aten = torch.ops.aten
+_CONVS = (aten.conv1d.default, aten.convolution.default)
+_PADS = (aten.constant_pad_nd.default, aten.pad.default)
+
+
+class _Match:
+    def __init__(self, x, w, bias, K, outputs):
+        self.x, self.w, self.bias, self.K, self.outputs = x, w, bias, K, outputs  # outputs: nodes y replaces
+
+
+def _size(a):
+    """A size argument's value: an int, or a symbolic size's SymInt (an FX node's example value)."""
+    return val(a) if isinstance(a, torch.fx.Node) else a
+
+
+def _sizes(v, n: int = 1) -> list | None:
+    """An int or int-list argument (SymInts too) as a list of n (None: not sizes)."""
+    v = _size(v)
+    if isinstance(v, (list, tuple)):
+        v = [_size(i) for i in v]
+    v = [v] * n if isinstance(v, (int, torch.SymInt)) else list(v) if isinstance(v, (list, tuple)) else None
+    return v if v is not None and all(isinstance(i, (int, torch.SymInt)) for i in v) else None
+
+
+def _equal(a, b) -> bool:
+    """a == b for every value the sizes may take (dynamic shapes included), with no new guard."""
+    a = _size(a)
+    return isinstance(a, (int, torch.SymInt)) and statically_known_true(a == b)
+
+
+def _all_equal(sizes, want: list) -> bool:
+    return sizes is not None and len(sizes) == len(want) and all(_equal(a, b) for a, b in zip(sizes, want))
+
+
+def _arguments(node):
+    """(x, w, bias, stride, padding, dilation, groups) of a conv node, or None (transposed ones)."""
+    a = list(node.args) + [None] * 9
+    if node.target is aten.conv1d.default:
+        get = lambda i, name, default: node.kwargs.get(name, a[i] if a[i] is not None else default)  # noqa: E731
+        return (a[0], a[1], get(2, "bias", None), get(3, "stride", [1]), get(4, "padding", [0]),
+                get(5, "dilation", [1]), get(6, "groups", 1))
+    if a[6]:  # convolution's `transposed`
+        return None
+    return a[0], a[1], a[2], a[3], a[4], a[5], a[8]
+
+
+def _is_cut(user, S, K: int) -> bool:
+    """user == conv[..., :S] (a slice of the last dim from 0 to S, or to -(K - 1))."""
+    if user.op != "call_function" or user.target is not aten.slice.Tensor:
+        return False
+    a = list(user.args) + [0, None, None, 1][len(user.args) - 1:]
+    dim, start, end, step = a[1], a[2], a[3], a[4]
+    if dim not in (2, -1) or start not in (0, None) or step not in (1, None) or end is None:
+        return False
+    return _equal(end, -(K - 1)) or _equal(end, S)
+
+
+def match(node) -> _Match | None:
+    args = _arguments(node)
+    if args is None:
+        return None
+    x, w, bias, stride, padding, dilation, groups = args
+    xv, wv = val(x), val(w)
+    if not (isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor)) or xv.dim() != 3 or wv.dim() != 3:
+        return None
+    C, one, K = wv.shape
+    if not (_equal(one, 1) and statically_known_true(K >= 2) and _equal(groups, C) and _equal(xv.shape[1], C)):
+        return None
+    if not (_all_equal(_sizes(stride), [1]) and _all_equal(_sizes(dilation), [1])) or isinstance(padding, str):
+        return None
+    S = xv.shape[2]
+    if _all_equal(_sizes(padding), [K - 1]):
+        users = list(node.users)
+        if users and all(_is_cut(u, S, K) for u in users):
+            return _Match(x, w, bias, K, users)
+        return None
+    if _all_equal(_sizes(padding), [0]) and x.op == "call_function" and x.target in _PADS:
+        pads = _sizes(x.args[1], 2) if len(x.args) > 1 else None
+        value = x.args[2] if len(x.args) > 2 else x.kwargs.get("value", 0)
+        mode = x.kwargs.get("mode", "constant") if x.target is aten.pad.default else "constant"
+        if _all_equal(pads, [K - 1, 0]) and value in (0, 0.0, None) and mode == "constant":
+            return _Match(x.args[0], w, bias, K, [node])
+    return None
+
+
+def _refusal(m: _Match) -> str | None:
+    """Why a causal depthwise convolution is left as written (reported), or None."""
+    from torch_xaccel.codegen.causal_conv import DTYPES, MAX_K
+
+    x, w = val(m.x), val(m.w)
+    b = val(m.bias) if m.bias is not None else None
+    if not (x.is_floating_point() and w.dtype == x.dtype and (b is None or b.dtype == x.dtype)):
+        return f"operands {x.dtype} x {w.dtype}" + (f" + {b.dtype}" if b is not None else "")
+    K = m.K if isinstance(m.K, int) else m.K.node.hint
+    if x.device.type == "cuda" and (x.dtype not in DTYPES or K is None or K > MAX_K):
+        return f"no causal_conv1d kernel for {x.dtype} at kernel size {m.K} (it would run its reference)"
+    return None
+
+
+def run(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
+    graph = gm.graph
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _CONVS]:
+        m = match(node)
+        fake_mode = getattr(val(m.x), "fake_mode", None) if m is not None else None
+        if fake_mode is None:
+            continue
+        where = location(node)
+        why = _refusal(m)
+        if why:
+            ctx.report.fallbacks.append(Fallback(FAMILY, f"causal depthwise conv1d left as written: {why}", where))
+            continue
+        with graph.inserting_before(node):
+            w = graph.call_function(aten.squeeze.dim, (m.w, 1))
+            w.meta["val"] = val(m.w).squeeze(1)
+            y = graph.call_function(torch.ops.xaccel.causal_conv1d.default, (m.x, w, m.bias))
+            with fake_mode:
+                y.meta["val"] = torch.ops.xaccel.causal_conv1d.default(val(m.x), val(w),
+                                                                       val(m.bias) if m.bias is not None else None)
+        for n in (w, y):
+            n.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")})
+        for out in m.outputs:
+            out.replace_all_uses_with(y)
+        for out in m.outputs:
+            if out is not node:
+                graph.erase_node(out)
+        graph.erase_node(node)
+        C = val(m.w).shape[0]
+        ctx.report.replacements.append(Replacement(
+            FAMILY, "xaccel.causal_conv1d", f"causal depthwise conv1d: {C} channels, kernel size {m.K}", where))
