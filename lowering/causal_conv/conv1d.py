@@ -101,8 +101,11 @@ def match(node) -> _Match | None:
         return None
     if _all_equal(_sizes(padding), [0]) and x.op == "call_function" and x.target in _PADS:
         pads = _sizes(x.args[1], 2) if len(x.args) > 1 else None
-        value = x.args[2] if len(x.args) > 2 else x.kwargs.get("value", 0)
-        mode = x.kwargs.get("mode", "constant") if x.target is aten.pad.default else "constant"
+        if x.target is aten.pad.default:  # pad(input, pad, mode="constant", value=None)
+            mode = x.args[2] if len(x.args) > 2 else x.kwargs.get("mode", "constant")
+            value = x.args[3] if len(x.args) > 3 else x.kwargs.get("value", None)
+        else:  # constant_pad_nd(input, pad, value=0)
+            mode, value = "constant", x.args[2] if len(x.args) > 2 else x.kwargs.get("value", 0)
         if _all_equal(pads, [K - 1, 0]) and value in (0, 0.0, None) and mode == "constant":
             return _Match(x.args[0], w, bias, K, [node])
     return None

@@ -65,6 +65,8 @@ def test_convolutions_that_are_not_causal_and_depthwise_are_left_as_written():
         (lambda x, w: F.conv1d(x, w, padding=3, groups=2)[..., :-3], (x, _w(6, 3, 4))),  # grouped, not depthwise
         (lambda x, w: F.conv1d(F.pad(x, (2, 1)), w, groups=6), (x, _w(6, 1, 4))),  # padded on both sides
         (lambda x, w: F.conv1d(x, w, padding=6, dilation=2, groups=6)[..., :-6], (x, _w(6, 1, 4))),  # dilated
+        (lambda x, w: F.conv1d(F.pad(x, (3, 0), mode="replicate"), w, groups=6), (x, _w(6, 1, 4))),  # not zeros
+        (lambda x, w: F.conv1d(F.pad(x, (3, 0), value=1.0), w, groups=6), (x, _w(6, 1, 4))),  # padded with ones
     ]
     for fn, inputs in cases:
         report = check_compiled(fn, inputs)
