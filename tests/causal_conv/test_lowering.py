@@ -90,3 +90,27 @@ def test_xlstm_block_stack_convolutions_replaced_equal_to_eager():
     params = list(model.parameters())
     report = check_compiled(lambda x, *p: model(x), (_w(2, 24, 32), *params))
     assert report.counts()["causal_conv"] == 2, str(report)
+
+
+def test_refusal_names_what_the_kernels_lack_on_cuda():
+    """Fake CUDA values (no GPU needed): fp64 and a kernel size above the kernels' limit are
+    reported and left as written; bf16 at kernel size 4 is taken; CPU values are never refused."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torch_xaccel.lowering.causal_conv.conv1d import _Match, _refusal
+
+    graph = torch.fx.Graph()
+
+    def node(t):
+        n = graph.placeholder(f"t{len(graph.nodes)}")
+        n.meta["val"] = t
+        return n
+
+    def refusal(device, dtype, K):
+        with FakeTensorMode():
+            x = torch.empty(2, 8, 64, device=device, dtype=dtype)
+            w = torch.empty(8, 1, K, device=device, dtype=dtype)
+        return _refusal(_Match(node(x), node(w), None, K, []))
+    assert "no causal_conv1d kernel for torch.float64" in refusal("cuda", torch.float64, 4)
+    assert "kernel size 32" in refusal("cuda", torch.bfloat16, 32)
+    assert refusal("cuda", torch.bfloat16, 4) is None and refusal("cpu", torch.float64, 32) is None

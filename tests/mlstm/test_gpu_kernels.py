@@ -179,8 +179,8 @@ def test_forward_kernel_matches_reference(dtype, B, H, S, DK, DV, with_state):
 
 @pytest.mark.parametrize("DK,DV", [(384, 384), (96, 160)])
 def test_padded_head_dims_forward_and_gradients_through_kernels(DK, DV):
-    """Head dims between the kernels' sizes run zero-padded (384 as 512, 96 as 128, 160 as 256):
-    the op end to end with an initial state in bf16, h and the final state within 1e-2 of the fp64
+    """Head dims between the kernels' sizes run at the next size, columns masked (384 as 512, 96
+    as 128, 160 as 256): the op end to end with an initial state in bf16, h and the final state within 1e-2 of the fp64
     reference, every gradient within 5e-2 of the analytic fp64 backward."""
     from torch_xaccel.codegen.mlstm import triton_kernels as mlstm_triton
     from torch_xaccel.ops.mlstm.reference_backward import backward as analytic

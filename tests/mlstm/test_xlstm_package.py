@@ -174,8 +174,8 @@ def test_xlstm_block_stack_mlstm_without_a_kernel_is_left_as_written_with_the_re
 
 def test_kernel_refusal_names_what_the_mlstm_kernels_lack_on_cuda():
     """Fake CUDA values (no GPU needed): head dim 768 (above the kernels' 512) has no kernel; 384
-    (E768 with 4 heads and projection factor 2, as in xLSTMBlockStack) runs zero-padded to 512, a
-    power of two as it is; CPU values are never refused."""
+    (E768 with 4 heads and projection factor 2, as in xLSTMBlockStack) runs at 512 with masked
+    columns, a power of two as it is; CPU values are never refused."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from torch_xaccel.lowering.mlstm.matching import kernel_refusal
@@ -194,7 +194,7 @@ def test_kernel_refusal_names_what_the_mlstm_kernels_lack_on_cuda():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_xlstm_block_stack_head_dim_384_on_cuda_runs_the_kernels(monkeypatch):
     """The bench's 7:1 stack's mLSTM (E768, 4 heads: head dim 384) on a GPU: the kernels run it
-    zero-padded to 512. The model in bf16, compiled, forward and backward, against the same
+    at 512 with masked columns. The model in bf16, compiled, forward and backward, against the same
     (bf16-rounded) weights in fp32 eagerly: output within 1e-2, parameter gradients within 5e-2
     (tests/mlstm/test_triton_interpreter.py runs a padded head through this model in fp32)."""
     import copy
