@@ -79,6 +79,22 @@ def write_entry(kind: str, key: str, value) -> None:
 _MODULES: dict[tuple[str, bool], object] = {}
 
 
+_TEMPLATE_KERNELS: dict = {}
+
+
+def template_kernel(templates, template: str, **values):
+    """The kernel function of one of a family's single-kernel templates rendered with `values`
+    (a render.Templates), named after the template, the values and the family's templates digest
+    (an edited template gets a new file), rendered and loaded once per process and mode."""
+    key = (templates.folder, template, tuple(sorted(values.items())), interpreting())
+    if key not in _TEMPLATE_KERNELS:
+        text = f"{template}|{sorted(values.items())}|{templates.digest}"
+        name = template.split(".")[0] + "_" + hashlib.sha256(text.encode()).hexdigest()[:12]
+        _TEMPLATE_KERNELS[key] = getattr(load_source(name, templates.render(template, kernel_name=name, **values)),
+                                         name)
+    return _TEMPLATE_KERNELS[key]
+
+
 def load_source(name: str, source: str):
     """Write `source` to kernels/<name>.py (once) and import it. Keyed by name and interpreter
     mode, since Triton decides at decoration time whether a kernel is interpreted."""

@@ -1,6 +1,6 @@
 """Side-by-side timings on the GPU, every path measured in one run:
 
-    python -m torch_xaccel.bench causal_conv|gemm|headwise|mlstm|model|slstm [--out DIR] [--quick]
+    python -m torch_xaccel.bench causal_conv|gemm|group_norm|headwise|mlstm|model|slstm [--out DIR] [--quick]
         [--no-max-autotune] [--only TEXT]
 
 Prints one table (xaccel, eager, Inductor default, Inductor max-autotune, the cuBLAS matmuls
@@ -201,6 +201,29 @@ def causal_conv(B, S, C=1536, K=4, train=False):
         return f, (x, w, b), lambda: dense.clone(), step
     return Case(f"causal conv1d B{B} S{S} C{C} K{K}{', train step' if train else ''}",
                 2 * B * S * C * K * (3 if train else 1), make, train=train, baseline="one copy of x")
+
+
+def group_norm(N, C=1536, G=4, train=False):
+    """The xlstm package's MultiHeadLayerNorm (the 7:1 stack's mLSTM head norm: 4 heads of 384 over
+    B16 S1024 rows, weight only), bf16; with train, forward + backward of a mean-square loss. The
+    baseline row is one copy of x."""
+    def make():
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(N, C, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(train)
+        w = (1 + 0.1 * torch.randn(C, device="cuda", generator=g)).bfloat16().requires_grad_(train)
+
+        def f(x, w):
+            return F.group_norm(x, G, w, None, 1e-5)
+        dense = x.detach()
+
+        def step(fn):
+            def run():
+                x.grad = w.grad = None
+                fn(x, w).float().square().mean().backward()
+            return run
+        return f, (x, w), lambda: dense.clone(), step
+    return Case(f"group norm N{N} C{C} G{G}{', train step' if train else ''}", 0, make, train=train,
+                baseline="one copy of x")
 
 
 def mlp_train(M, d=2048, h=8192, layers=4):
@@ -762,6 +785,8 @@ SUITES = {
     "gemm": lambda quick: ([gelu_residual(4096 if quick else 16384), gelu_residual(128),
                             swiglu(4096 if quick else 16384), mlp_train(4096 if quick else 16384)]),
     "headwise": lambda quick: [headwise(2048 if quick else 16384), headwise(2048 if quick else 16384, train=True)],
+    "group_norm": lambda quick: [group_norm(2048 if quick else 16384),
+                                 group_norm(2048 if quick else 16384, train=True)],
     "causal_conv": lambda quick: [causal_conv(2 if quick else 16, 1024),
                                   causal_conv(2 if quick else 16, 1024, train=True)],
     "model": lambda quick: [xlstm_model(quick=quick) if not quick else

@@ -90,6 +90,14 @@ FAMILIES: tuple[Family, ...] = (
         emits={"causal_conv": ("causal_conv1d",)},
     ),
     Family(
+        "group_norm",
+        passes={"group_norm": "torch_xaccel.lowering.group_norm.rows:run"},
+        ops="torch_xaccel.ops.group_norm",
+        providers={"group_norm": "torch_xaccel.codegen.group_norm:forward",
+                   "group_norm_backward": "torch_xaccel.codegen.group_norm:backward"},
+        onnx={"group_norm": "torch_xaccel.ops.group_norm.onnx:group_norm_function"},
+    ),
+    Family(
         "slstm",
         passes={"slstm": "torch_xaccel.lowering.slstm.sequence:run",
                 "slstm_step": "torch_xaccel.lowering.slstm.step:run"},
@@ -110,7 +118,7 @@ FAMILIES: tuple[Family, ...] = (
 # pass runs before its sequence form so that the steps it replaces are not reported as
 # unrecognized sequences.
 PASS_ORDER: tuple[str, ...] = ("slstm_step", "slstm", "mlstm_step", "mlstm", "headwise", "causal_conv",
-                               "gemm_epilogue")
+                               "group_norm", "gemm_epilogue")
 
 PATTERNS: tuple[str, ...] = tuple(p for f in FAMILIES for p in f.patterns)  # what XACCEL_PATTERNS accepts
 REPORT_KEYS: tuple[str, ...] = tuple(k for f in FAMILIES for k in f.report_keys)  # counts() keys, in order

@@ -6,7 +6,6 @@ convolution on a [B, C, 1, S] copy of the input; these kernels read x in place t
 strides (the usual transposed [B, S, C] activation included) and write y once, channels innermost."""
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
@@ -24,15 +23,7 @@ MAX_K = 16  # kernel sizes up to this (the short convolutions of xLSTM and Mamba
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BS, BC, WARPS = 64, 64, 4  # a program's positions x channels
 ROWS = 256  # positions each weight-gradient program sums
-_KERNELS: dict = {}
 _LAUNCHES = LaunchCache()
-
-
-def _kernel(template: str):
-    if template not in _KERNELS:
-        name = template.split(".")[0] + "_" + hashlib.sha256(f"{template}|{TEMPLATES.digest}".encode()).hexdigest()[:12]
-        _KERNELS[template] = getattr(cache.load_source(name, TEMPLATES.render(template, kernel_name=name)), name)
-    return _KERNELS[template]
 
 
 def why_not(x, w, bias=None) -> str | None:
@@ -57,7 +48,8 @@ def _convolve(x, w, bias, y, reverse: bool) -> None:
     meta = dict(K=w.shape[1], BS=BS, BC=BC, HAS_BIAS=bias is not None, REVERSE=reverse, num_warps=WARPS)
     tensors = (x, w, w if bias is None else bias, y)  # (no bias: an unread pointer)
     _LAUNCHES.launch(("conv", x.device, x.dtype, ints, w.shape[1], bias is not None, reverse),
-                     _kernel("causal_conv1d.py.jinja"), (B * tiles, cdiv(C, BC)), (*tensors, *ints), meta, tensors)
+                     cache.template_kernel(TEMPLATES, "causal_conv1d.py.jinja"), (B * tiles, cdiv(C, BC)),
+                     (*tensors, *ints), meta, tensors)
 
 
 def forward(key, x, w, bias):
@@ -84,7 +76,8 @@ def backward(key, dy, x, w, with_bias):
         parts = torch.empty(B * chunks, K + 1, C, dtype=torch.float32, device=x.device)  # each program its own
         ints = (C, S, chunks, *dy.stride(), *x.stride())
         meta = dict(K=K, ROWS=ROWS, BS=BS, BC=BC, num_warps=WARPS)
-        _LAUNCHES.launch(("wgrad", x.device, x.dtype, ints, K), _kernel("causal_conv1d_weight_grad.py.jinja"),
+        kernel = cache.template_kernel(TEMPLATES, "causal_conv1d_weight_grad.py.jinja")
+        _LAUNCHES.launch(("wgrad", x.device, x.dtype, ints, K), kernel,
                          (B * chunks, cdiv(C, BC), K + 1), (dy, x, parts, *ints), meta, (dy, x, parts))
         dw = parts.sum(0)
     return dx, dw[:K].t().contiguous(), dw[K] if with_bias else None

@@ -7,7 +7,6 @@ both far from memory speed. These kernels read x in place and write y once: a pr
 group of heads whose blocks form one block-diagonal matrix and runs it as a tensor-core dot."""
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
@@ -24,17 +23,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_DIAGONAL = 64  # a program's block-diagonal matrix spans up to this many x and y columns
 BM, WARPS = 64, 4  # a forward program's rows
 WGRAD_BM, ROWS, WGRAD_WARPS = 64, 256, 4  # the weight gradient's row tile; rows each program sums
-_KERNELS: dict = {}
 _LAUNCHES = LaunchCache()  # a projection runs at a few shapes per model: from its second call, directly
-
-
-def _kernel(template: str, precision: str):
-    if (template, precision) not in _KERNELS:
-        digest = hashlib.sha256(f"{template}|{precision}|{TEMPLATES.digest}".encode()).hexdigest()[:12]
-        name = template.split(".")[0] + "_" + digest
-        source = TEMPLATES.render(template, kernel_name=name, precision=precision)
-        _KERNELS[template, precision] = getattr(cache.load_source(name, source), name)
-    return _KERNELS[template, precision]
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -106,7 +95,8 @@ def forward(key, x, w):
         flat = x4.stride(3) == 1 and x4.stride(2) == D
         ints = (H, S1, tiles, *x4.stride(), *w.stride())
         meta = dict(DO=DO, D=D, G=G, BM=BM, BK=BK, BN=BN, X_FLAT=flat, num_warps=WARPS)
-        _LAUNCHES.launch(("fwd", x.device, x.dtype, ints, DO, D), _kernel("headwise.py.jinja", _precision(x.dtype)),
+        kernel = cache.template_kernel(TEMPLATES, "headwise.py.jinja", precision=_precision(x.dtype))
+        _LAUNCHES.launch(("fwd", x.device, x.dtype, ints, DO, D), kernel,
                          (B1 * tiles, cdiv(H, G)), (x4, w, y, *ints), meta, (x4, w, y))
     return y
 
@@ -128,7 +118,7 @@ def weight_grad(key, dy, x):
     ints = (H, S1, chunks, *dy4.stride(), *x4.stride())
     meta = dict(DO=DO, D=D, G=G, ROWS=ROWS, BM=WGRAD_BM, BK=BK, BN=BN, X_POSITIONS_INNER=x4.stride(1) == 1 and S1 > 1,
                 num_warps=WGRAD_WARPS)
-    _LAUNCHES.launch(("wgrad", x.device, x.dtype, ints, DO, D),
-                     _kernel("headwise_weight_grad.py.jinja", _precision(x.dtype)),
+    kernel = cache.template_kernel(TEMPLATES, "headwise_weight_grad.py.jinja", precision=_precision(x.dtype))
+    _LAUNCHES.launch(("wgrad", x.device, x.dtype, ints, DO, D), kernel,
                      (B1 * chunks, cdiv(H, G)), (dy4, x4, parts, *ints), meta, (dy4, x4, parts))
     return parts.sum(0)

@@ -182,18 +182,21 @@ PADDED_MODEL_SCRIPT = textwrap.dedent("""
         got = torch.compile(model, backend="xaccel")(x)
         (got * w).sum().backward()
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()
-    print(Report(graphs).counts()["mlstm"], rel(got, want),
+    counts = Report(graphs).counts()
+    print(counts["mlstm"], counts["headwise"], counts["causal_conv"], counts["group_norm"], rel(got, want),
           max(rel(p.grad, r.grad) for p, r in zip(model.parameters(), ref.parameters())))
 """)
 
 
 def test_xlstm_block_stack_with_a_padded_head_dim_through_the_kernels_in_interpreter(tmp_path):
     """The xlstm package's block stack at E48 with 4 heads (head dim 24, run as 32) compiled, its
-    mLSTM through the interpreted kernels (transposed q/k/v views, [B, NH, S, 1] gates), forward
-    and every parameter's gradient within 1e-5 of eager in fp32."""
+    mLSTM through the interpreted kernels (transposed q/k/v views, [B, NH, S, 1] gates), and its
+    q/k/v projections, convolution and head norm through theirs: forward and every parameter's
+    gradient within 1e-5 of eager in fp32."""
     pytest.importorskip("xlstm")
-    found, fwd, grad = interpret(PADDED_MODEL_SCRIPT, tmp_path).split()
-    assert int(found) == 1 and float(fwd) <= 1e-5 and float(grad) <= 1e-5, (found, fwd, grad)
+    found, headwise, conv, norm, fwd, grad = interpret(PADDED_MODEL_SCRIPT, tmp_path).split()
+    assert (int(found), int(headwise), int(conv), int(norm)) == (1, 3, 1, 1), (found, headwise, conv, norm)
+    assert float(fwd) <= 1e-5 and float(grad) <= 1e-5, (fwd, grad)
 
 
 def test_every_gpu_tuning_candidate_in_interpreter(tmp_path):
