@@ -1,0 +1,64 @@
+"""Where the xlstm package's xLSTMBlockStack spends its time (E768, 4 heads, B16 S1024, bf16, its
+sLSTM on the vanilla backend, compiled with backend="xaccel"): prefill and train step (forward +
+backward of a mean-square loss) under the torch profiler, the top kernels by GPU time, then the
+ATen ops by self GPU time with their input shapes (where the copies come from). Run on the GPU
+machine:
+
+    python benchmarks/stack_profile.py [--slstm-at 7] [--blocks 8] [--top 40]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from torch_xaccel.bench import _slstm_stack
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--slstm-at", default="7", help="comma-separated sLSTM block indices")
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--top", type=int, default=40)
+    args = p.parse_args()
+    slstm_at = tuple(int(a) for a in args.slstm_at.split(","))
+    model = _slstm_stack(768, args.blocks, slstm_at, "vanilla", 16, 1024)
+    fn = torch.compile(model, backend="xaccel")
+    x = torch.randn(16, 1024, 768, device="cuda", dtype=torch.bfloat16)
+
+    def prefill():
+        with torch.inference_mode():
+            fn(x)
+
+    def train():
+        fn(x).float().square().mean().backward()
+
+    for name, run in (("prefill", prefill), ("train step", train)):
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            run()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / 5 * 1e3
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+            run()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+        print(f"\n=== {name}: wall {wall:.3f} ms, kernel time "
+              f"{sum(e.self_device_time_total for e in kernels) / 1e3:.3f} ms", flush=True)
+        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:args.top]:
+            print(f"  {e.self_device_time_total / 1e3:8.3f} ms x{e.count:<4d} {e.key[:120]}", flush=True)
+        ops = [e for e in prof.key_averages(group_by_input_shape=True)
+               if e.device_type.name == "CPU" and e.key.startswith(("aten::", "xaccel::")) and e.device_time_total > 0]
+        print(f"--- {name}: ATen and xaccel ops by GPU time, with input shapes", flush=True)
+        for e in sorted(ops, key=lambda e: -e.device_time_total)[:args.top]:
+            print(f"  {e.device_time_total / 1e3:8.3f} ms x{e.count:<4d} {e.key[:32]:32s} {str(e.input_shapes)[:120]}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
