@@ -111,6 +111,25 @@ def match(node) -> _Match | None:
     return None
 
 
+_STRIDED_VIEWS = (aten.transpose.int, aten.permute.default, aten.slice.Tensor, aten.select.int, aten.unsqueeze.default,
+                  aten.squeeze.dim, aten.squeeze.default, aten.expand.default, aten.alias.default, aten.t.default)
+_LAYOUT_BOUND = (aten.view.default, aten._unsafe_view.default, aten.as_strided.default)
+
+
+def _reads_layout(node, depth: int = 4) -> bool:
+    """Whether a user of node, directly or through strided views, is an op whose result depends
+    on node's strides (a `view` that the original layout allowed may not be allowed on the op's
+    channels-innermost output)."""
+    for user in node.users:
+        if user.op != "call_function":
+            continue
+        if user.target in _LAYOUT_BOUND:
+            return True
+        if user.target in _STRIDED_VIEWS and depth and _reads_layout(user, depth - 1):
+            return True
+    return False
+
+
 def _refusal(m: _Match) -> str | None:
     """Why a causal depthwise convolution is left as written (reported), or None."""
     from torch_xaccel.codegen.causal_conv import DTYPES, MAX_K
@@ -144,10 +163,15 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             with fake_mode:
                 y.meta["val"] = torch.ops.xaccel.causal_conv1d.default(val(m.x), val(w),
                                                                        val(m.bias) if m.bias is not None else None)
-        for n in (w, y):
+        result = y
+        if any(_reads_layout(out) for out in m.outputs):  # a contiguous copy allows every view the original did
+            with graph.inserting_after(y):
+                result = graph.call_function(aten.clone.default, (y,), {"memory_format": torch.contiguous_format})
+                result.meta["val"] = val(y).clone(memory_format=torch.contiguous_format)
+        for n in {w, y, result}:
             n.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")})
         for out in m.outputs:
-            out.replace_all_uses_with(y)
+            out.replace_all_uses_with(result)
         for out in m.outputs:
             if out is not node:
                 graph.erase_node(out)

@@ -46,6 +46,18 @@ def test_each_form_is_one_causal_conv_equal_to_eager(form):
     assert report.counts()["causal_conv"] == 1, str(report)
 
 
+def test_a_view_of_the_output_still_works():
+    """Users that view the convolution's output in a way its own layout allowed (here merging batch
+    and channels, which the op's channels-innermost output would not allow) get a contiguous copy."""
+    torch.manual_seed(4)
+
+    def viewed(x, w):
+        y = F.conv1d(F.pad(x, (3, 0)), w, groups=6)
+        return y.view(-1, y.shape[-1]).cos() + y.transpose(1, 2).reshape(-1, 6).sum()
+    report = check_compiled(viewed, (_w(2, 6, 10), _w(6, 1, 4)))
+    assert report.counts()["causal_conv"] == 1, str(report)
+
+
 def test_dynamic_sequence_length():
     """One dynamic compile (sizes symbolic, the cut -(K - 1) a symbolic expression) serves a second
     sequence length without recompiling, equal to eager at both."""
