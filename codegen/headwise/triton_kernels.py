@@ -50,28 +50,43 @@ def _uncovered(x, H: int, DO: int, D: int) -> str | None:
     return None
 
 
+def _merged_stride(sizes, strides) -> int | None:
+    """The stride of dims merged into one (a view), or None where their layout does not allow it."""
+    dims = [(n, st) for n, st in zip(sizes, strides) if n != 1]
+    if any(outer != inner * n for (_, outer), (n, inner) in zip(dims, dims[1:])):
+        return None
+    return dims[-1][1] if dims else 1
+
+
 def _rows_of(t, H: int, last: int):
-    """t as [B1, S1, H, last], a view where its layout allows (else a copy): one batch of rows
-    when they share a stride, else its innermost leading dim as S1 (a transposed activation,
-    [B, S, H, D] with S innermost, is read in place)."""
-    for shape in ((1, -1, H, last), (-1, t.shape[-3] if t.dim() > 2 else 1, H, last)):
-        try:
-            return t.view(shape)
-        except RuntimeError:
-            pass
+    """t [..., H, last] as [B1, S1, H, last], a view where its layout allows (else a copy): one
+    batch of rows when the leading dims merge, else the innermost leading dim as S1 and the others
+    as B1 (a transposed activation, [B, S, H, D] with S innermost, is read in place). Decided from
+    the strides, not by trying views: a failed view raises, and that costs host time per call."""
+    if not t.numel():
+        return t.reshape(1, -1, H, last)
+    lead, strides = t.shape[:-2], t.stride()[:-2]
+    M = t.numel() // (H * last)
+    inner = t.stride()[-2:]
+    one = _merged_stride(lead, strides)
+    if one is not None:
+        return t.as_strided((1, M, H, last), (M * one, one, *inner))
+    outer = _merged_stride(lead[:-1], strides[:-1])
+    if outer is not None:
+        return t.as_strided((M // lead[-1], lead[-1], H, last), (outer, strides[-1], *inner))
     return t.reshape(1, -1, H, last)
 
 
 def _same_rows(x, dy, H: int, D: int, DO: int):
-    """x and dy as [B1, S1, H, *] with the same row split: x's own where dy's layout takes it (a
-    contiguous dy takes any), else dy's, else both as one batch of rows (a copy)."""
+    """x and dy as [B1, S1, H, *] with the same row split: each its own where they agree, else the
+    other's split for whichever is contiguous (it takes any), else both as one batch of rows."""
     x4, dy4 = _rows_of(x, H, D), _rows_of(dy, H, DO)
-    for a, b, last in ((x4, dy, DO), (dy4, x, D)):
-        try:
-            other = b.view(*a.shape[:2], H, last)
-        except RuntimeError:
-            continue
-        return (a, other) if a is x4 else (other, a)
+    if x4.shape[:2] == dy4.shape[:2]:
+        return x4, dy4
+    if dy.is_contiguous():
+        return x4, dy.view(*x4.shape[:2], H, DO)
+    if x.is_contiguous():
+        return x.view(*dy4.shape[:2], H, D), dy4
     return x.reshape(1, -1, H, D), dy.reshape(1, -1, H, DO)
 
 
