@@ -26,6 +26,15 @@ def val(node) -> object:
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
+def named_arguments(node: torch.fx.Node) -> dict | None:
+    """An op node's arguments by their schema names, defaults filled in (None where the target has
+    no schema that binds them), however the call spelled them (positions or keywords)."""
+    from torch.fx.operator_schemas import normalize_function
+
+    bound = normalize_function(node.target, tuple(node.args), dict(node.kwargs), normalize_to_only_use_kwargs=True)
+    return None if bound is None else bound.kwargs
+
+
 def retarget(node: torch.fx.Node, target) -> bool:
     """Point an op node at another op with the same arguments and its first outputs unchanged (a
     variant returning more), recomputing its fake value; False (node untouched) where the node has

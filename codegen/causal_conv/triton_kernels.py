@@ -71,7 +71,7 @@ def backward(key, dy, x, w, with_bias):
     _convolve(dy, w, None, dx, reverse=True)
     chunks = cdiv(S, ROWS)
     if not dx.numel():
-        dw = torch.zeros(K + 1, C, dtype=torch.float32, device=x.device)
+        sums = torch.zeros(K + 1, C, dtype=torch.float32, device=x.device)
     else:
         parts = torch.empty(B * chunks, K + 1, C, dtype=torch.float32, device=x.device)  # each program its own
         ints = (C, S, chunks, *dy.stride(), *x.stride())
@@ -79,5 +79,5 @@ def backward(key, dy, x, w, with_bias):
         kernel = cache.template_kernel(TEMPLATES, "causal_conv1d_weight_grad.py.jinja")
         _LAUNCHES.launch(("wgrad", x.device, x.dtype, ints, K), kernel,
                          (B * chunks, cdiv(C, BC), K + 1), (dy, x, parts, *ints), meta, (dy, x, parts))
-        dw = parts.sum(0)
-    return dx, dw[:K].t().contiguous(), dw[K] if with_bias else None
+        sums = parts.sum(0)  # [K + 1, C]: the taps' sums, then the bias's
+    return dx, sums[:K].t().contiguous(), sums[K] if with_bias else None

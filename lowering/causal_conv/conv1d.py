@@ -20,7 +20,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch_xaccel.report import Fallback, Replacement
 
 from .. import PassContext
-from ..graph_utils import location, val
+from ..graph_utils import location, named_arguments, val
 
 FAMILY = "causal_conv"
 aten = torch.ops.aten
@@ -41,10 +41,13 @@ def _size(a):
 def _sizes(v, n: int = 1) -> list | None:
     """An int or int-list argument (SymInts too) as a list of n (None: not sizes)."""
     v = _size(v)
-    if isinstance(v, (list, tuple)):
+    if isinstance(v, (int, torch.SymInt)):
+        v = [v] * n
+    elif isinstance(v, (list, tuple)):
         v = [_size(i) for i in v]
-    v = [v] * n if isinstance(v, (int, torch.SymInt)) else list(v) if isinstance(v, (list, tuple)) else None
-    return v if v is not None and all(isinstance(i, (int, torch.SymInt)) for i in v) else None
+    else:
+        return None
+    return v if all(isinstance(i, (int, torch.SymInt)) for i in v) else None
 
 
 def _equal(a, b) -> bool:
@@ -57,41 +60,29 @@ def _all_equal(sizes, want: list) -> bool:
     return sizes is not None and len(sizes) == len(want) and all(_equal(a, b) for a, b in zip(sizes, want))
 
 
-def _arguments(node):
-    """(x, w, bias, stride, padding, dilation, groups) of a conv node, or None (transposed ones)."""
-    a = list(node.args) + [None] * 9
-    if node.target is aten.conv1d.default:
-        get = lambda i, name, default: node.kwargs.get(name, a[i] if a[i] is not None else default)  # noqa: E731
-        return (a[0], a[1], get(2, "bias", None), get(3, "stride", [1]), get(4, "padding", [0]),
-                get(5, "dilation", [1]), get(6, "groups", 1))
-    if a[6]:  # convolution's `transposed`
-        return None
-    return a[0], a[1], a[2], a[3], a[4], a[5], a[8]
-
-
-def _is_cut(user, S, K: int) -> bool:
+def _is_cut(user, S, K) -> bool:
     """user == conv[..., :S] (a slice of the last dim from 0 to S, or to -(K - 1))."""
     if user.op != "call_function" or user.target is not aten.slice.Tensor:
         return False
-    a = list(user.args) + [0, None, None, 1][len(user.args) - 1:]
-    dim, start, end, step = a[1], a[2], a[3], a[4]
-    if dim not in (2, -1) or start not in (0, None) or step not in (1, None) or end is None:
+    a = named_arguments(user)
+    if a is None or a["dim"] not in (2, -1) or a["start"] not in (0, None) or a["step"] != 1 or a["end"] is None:
         return False
-    return _equal(end, -(K - 1)) or _equal(end, S)
+    return _equal(a["end"], -(K - 1)) or _equal(a["end"], S)
 
 
 def match(node) -> _Match | None:
-    args = _arguments(node)
-    if args is None:
+    a = named_arguments(node)
+    if a is None or a.get("transposed"):
         return None
-    x, w, bias, stride, padding, dilation, groups = args
+    x, w, bias, padding = a["input"], a["weight"], a["bias"], a["padding"]
     xv, wv = val(x), val(w)
     if not (isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor)) or xv.dim() != 3 or wv.dim() != 3:
         return None
     C, one, K = wv.shape
-    if not (_equal(one, 1) and statically_known_true(K >= 2) and _equal(groups, C) and _equal(xv.shape[1], C)):
+    if not (_equal(one, 1) and statically_known_true(K >= 2) and _equal(a["groups"], C) and _equal(xv.shape[1], C)):
         return None
-    if not (_all_equal(_sizes(stride), [1]) and _all_equal(_sizes(dilation), [1])) or isinstance(padding, str):
+    if isinstance(padding, str) or not (_all_equal(_sizes(a["stride"]), [1])
+                                        and _all_equal(_sizes(a["dilation"]), [1])):
         return None
     S = xv.shape[2]
     if _all_equal(_sizes(padding), [K - 1]):
@@ -100,14 +91,10 @@ def match(node) -> _Match | None:
             return _Match(x, w, bias, K, users)
         return None
     if _all_equal(_sizes(padding), [0]) and x.op == "call_function" and x.target in _PADS:
-        pads = _sizes(x.args[1], 2) if len(x.args) > 1 else None
-        if x.target is aten.pad.default:  # pad(input, pad, mode="constant", value=None)
-            mode = x.args[2] if len(x.args) > 2 else x.kwargs.get("mode", "constant")
-            value = x.args[3] if len(x.args) > 3 else x.kwargs.get("value", None)
-        else:  # constant_pad_nd(input, pad, value=0)
-            mode, value = "constant", x.args[2] if len(x.args) > 2 else x.kwargs.get("value", 0)
-        if _all_equal(pads, [K - 1, 0]) and value in (0, 0.0, None) and mode == "constant":
-            return _Match(x.args[0], w, bias, K, [node])
+        p = named_arguments(x)
+        if p is not None and _all_equal(_sizes(p["pad"], 2), [K - 1, 0]) and p.get("mode", "constant") == "constant" \
+                and p["value"] in (0, 0.0, None):
+            return _Match(p["input"], w, bias, K, [node])
     return None
 
 
@@ -132,15 +119,15 @@ def _reads_layout(node, depth: int = 4) -> bool:
 
 def _refusal(m: _Match) -> str | None:
     """Why a causal depthwise convolution is left as written (reported), or None."""
-    from torch_xaccel.codegen.causal_conv import DTYPES, MAX_K
+    from torch_xaccel.codegen.causal_conv import why_not
 
-    x, w = val(m.x), val(m.w)
-    b = val(m.bias) if m.bias is not None else None
-    if not (x.is_floating_point() and w.dtype == x.dtype and (b is None or b.dtype == x.dtype)):
-        return f"operands {x.dtype} x {w.dtype}" + (f" + {b.dtype}" if b is not None else "")
-    K = m.K if isinstance(m.K, int) else m.K.node.hint
-    if x.device.type == "cuda" and (x.dtype not in DTYPES or K is None or K > MAX_K):
-        return f"no causal_conv1d kernel for {x.dtype} at kernel size {m.K} (it would run its reference)"
+    x, w, b = val(m.x), val(m.w), val(m.bias) if m.bias is not None else None
+    if not x.is_floating_point():
+        return f"x is {x.dtype}"
+    if x.device.type == "cuda":
+        why = why_not(x, w.squeeze(1), b)
+        if why:
+            return f"{why} (it would run its reference)"
     return None
 
 

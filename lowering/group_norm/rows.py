@@ -11,17 +11,10 @@ import torch.fx
 from torch_xaccel.report import Fallback, Replacement
 
 from .. import PassContext
-from ..graph_utils import location, val
+from ..graph_utils import location, named_arguments, val
 
 FAMILY = "group_norm"
 aten = torch.ops.aten
-
-
-def _arguments(node):
-    """(x, groups, weight, bias, eps) of a group_norm node."""
-    a = list(node.args) + [None] * 6
-    get = lambda i, name, default: node.kwargs.get(name, a[i] if a[i] is not None else default)  # noqa: E731
-    return a[0], get(1, "num_groups", None), get(2, "weight", None), get(3, "bias", None), get(4, "eps", 1e-5)
 
 
 def _refusal(x, weight, bias, groups) -> str | None:
@@ -44,7 +37,10 @@ def _refusal(x, weight, bias, groups) -> str | None:
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     graph = gm.graph
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target is aten.group_norm.default]:
-        x, groups, weight, bias, eps = _arguments(node)
+        a = named_arguments(node)
+        if a is None:
+            continue
+        x, groups, weight, bias, eps = a["input"], a["num_groups"], a["weight"], a["bias"], a["eps"]
         xv = val(x)
         fake_mode = getattr(xv, "fake_mode", None)
         if fake_mode is None or xv.dim() != 2 or not isinstance(groups, int) or not isinstance(eps, float):
