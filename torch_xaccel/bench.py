@@ -955,6 +955,10 @@ def main(argv=None) -> int:
                   "slstm_model_decode": run_slstm_model_decode_case}.get(case.runner)
         rows += runner(case) if runner else run_case(case, not args.no_max_autotune)
         _empty_cache()
+    if not rows:
+        names = [c.name for c in SUITES[args.suite](args.quick)]
+        print(f"no {args.suite} case matches --only {args.only!r}; the cases are:\n  " + "\n  ".join(names))
+        return 2
     md = markdown(rows, header)
     print("\n" + md)
     os.makedirs(args.out, exist_ok=True)

@@ -37,11 +37,25 @@ def _render(template: str, dtype: torch.dtype, s_constexpr: bool, **extra) -> tu
     precision = "tf32" if tf32 else "ieee"
     key = f"{template}|{dtype}|{precision}|{s_constexpr}|{sorted(extra.items())}"
     name = template.split(".")[0] + "_" + hashlib.sha256(key.encode()).hexdigest()[:12]
-    masks = dict(mk=" & (offs_k < DKR)[None, :]" if extra.get("pad_k") else "",
-                 mv=" & (offs_v < DVR)[None, :]" if extra.get("pad_v") else "")
+    masks = _mask_text(bool(extra.get("pad_k")), bool(extra.get("pad_v")))
     src = TEMPLATES.render(template, kernel_name=name, dot_dtype=str(dtype), precision=precision,
                            s_constexpr=s_constexpr, **masks, **extra)
     return name, src
+
+
+def _mask_text(pad_k: bool, pad_v: bool) -> dict:
+    """The templates' mask texts for a padded head (empty for an unpadded one): mk / mv the column
+    masks of q, k / v, dh, h tiles; sk / skv the masks of state loads (n rows; C tiles [DK, DV]),
+    which must not read the tiles past the true head dims that no scan program writes
+    (_state_grid); dk_end / dv_end the bounds of loops over DK / DV tiles, so that no tile past the
+    true dims runs."""
+    rows, cols = "(offs_k < DKR)[:, None]", "(offs_v < DVR)[None, :]"
+    tile = " & ".join(m for m, on in ((rows, pad_k), (cols, pad_v)) if on)
+    return dict(mk=" & (offs_k < DKR)[None, :]" if pad_k else "",
+                mv=" & (offs_v < DVR)[None, :]" if pad_v else "",
+                sk=", mask=offs_k < DKR, other=0.0" if pad_k else "",
+                skv=f", mask={tile}, other=0.0" if tile else "",
+                dk_end="DKR" if pad_k else "DK", dv_end="DVR" if pad_v else "DV")
 
 
 def _kernel(template: str, dtype: torch.dtype, **extra):
@@ -217,11 +231,11 @@ def chunk_states(k, v, i, f, C0, n0, m0, cfg):
     dev, f32 = k.device, torch.float32
     if B * H * NC * DK * DV >= INT32_LIMIT:  # the kernels' offsets are int32: this config cannot run here
         raise ValueError(f"mLSTM chunk states at chunk {L} would hold {B * H * NC * DK * DV} elements (>= 2^31)")
-    Cs = torch.empty(B * H * NC * DK * DV, dtype=k.dtype, device=dev)
-    ns = torch.empty(B * H * NC * DK, dtype=f32, device=dev)
+    Cs = _state_buffer(B * H * NC * DK * DV, k.dtype, dev)
+    ns = _state_buffer(B * H * NC * DK, f32, dev)
     ms = torch.empty(B * H * NC, dtype=f32, device=dev)
-    C = torch.empty(B, H, DK, DV, dtype=f32, device=dev)
-    n = torch.empty(B, H, DK, dtype=f32, device=dev)
+    C = _state_buffer((B, H, DK, DV), f32, dev)
+    n = _state_buffer((B, H, DK), f32, dev)
     m = torch.empty(B, H, dtype=f32, device=dev)
     has_state = C0 is not None
     if has_state:
@@ -235,7 +249,7 @@ def chunk_states(k, v, i, f, C0, n0, m0, cfg):
         _launch(_kernel("mlstm_chunk_gates.py.jinja", k.dtype), (B * H, NC), i, f, *gates, *_rows(i, f), S, NC, L=L)
     _launch(_kernel("mlstm_chunk_states.py.jinja", k.dtype, has_state=has_state, gate_factors=gate_factors,
                     loads_first=bool(cfg.get("LF")), **_masks(dims)),
-        (B * H, DK // BK, DV // BVS), k, v, i, f, C0, n0, m0, Cs, ns, ms, C, n, m, *gates, *_rows(k, v, i, f), S, NC,
+        _state_grid(B * H, dims, BK, BVS), k, v, i, f, C0, n0, m0, Cs, ns, ms, C, n, m, *gates, *_rows(k, v, i, f), S, NC,
         scale, **dims, BK=BK, BV=BVS, L=L, num_warps=configs.scan_warps(cfg), num_stages=stages)
     return (Cs, ns, ms), (C, n, m)
 
@@ -292,6 +306,24 @@ def _head(q, v) -> dict:
     return dict(DK=configs.padded(DKR), DV=configs.padded(DVR), DKR=DKR, DVR=DVR)
 
 
+def _tiles(D: int, tile: int) -> int:
+    """Tiles of a head dim D that hold its true columns: a padded head's last tiles hold none."""
+    return -(-D // tile)
+
+
+def _state_grid(programs: int, dims: dict, BK: int, BV: int) -> tuple[int, int, int]:
+    """Grid of the state scans (mlstm_chunk_states, mlstm_bwd_states): one program per state tile
+    holding true columns. The tiles past them stay unwritten; every load of a state masks them."""
+    return programs, _tiles(dims["DKR"], BK), _tiles(dims["DVR"], BV)
+
+
+def _state_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialised state buffer. Under the interpreter it is filled with NaN, so a kernel
+    reading a tile that no program wrote (a padded head's) turns the tests' results NaN."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    return t.fill_(float("nan")) if interpreting() else t
+
+
 def _masks(dims: dict) -> dict:
     """The templates' switches for the column masks of a padded head (unpadded kernels have none)."""
     return dict(pad_k=dims["DK"] != dims["DKR"], pad_v=dims["DV"] != dims["DVR"])
@@ -343,7 +375,7 @@ def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, keep=False):
     if cfg.get("BKQ"):  # the sliced output kernel (SLICED)
         meta["BKQ"] = cfg["BKQ"]
     _launch(_kernel("mlstm_fwd.py.jinja", q.dtype, k_loop=bool(cfg.get("BKQ")), save_rows=keep, **_masks(dims)),
-            (B * H, NC, DV // cfg["BV"]), *args, **meta)
+            (B * H, NC, _tiles(DVR, cfg["BV"])), *args, **meta)
     C, n = C[..., :DKR, :DVR], n[..., :DKR]  # (views: the whole state where the head is not padded)
     if keep:
         return h, C, n, m, (Cs, ns, ms), rows
@@ -497,7 +529,9 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     L, BK, BVS, warps, stages = cfg["L"], cfg["BK"], cfg["BVS"], cfg["warps"], cfg["stages"]
     switches = settings.current()
     row_factors = switches.scan_row_factors
-    NC, NT = -(-S // L), (DK // BK) * (DV // BVS)
+    NC = -(-S // L)
+    grid = _state_grid(B * H, dims, BK, BVS)
+    NT = grid[1] * grid[2]
     rows = None
     if kept is not None and kept[0] == L:  # the forward's states and row terms: no second scan, no q k^T
         (Cs, ns, ms), rows, (CT, nT, mT) = kept[1:]
@@ -512,14 +546,14 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     _launch(_kernel("mlstm_bwd_rows.py.jinja", q.dtype, row_factors=row_factors, saved_rows=bool(saved), **masks),
         (B * H, NC), q, k, i, f, h, dh, ns, ms, *saved, N, dden, dm, *factors, *_rows(q, k, i, f, dh),
         S, NC, scale, eps, **dims, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
-    dCs, dns = torch.empty_like(Cs), torch.empty_like(ns)
-    dC0, dn0 = torch.empty_like(gC), torch.empty_like(gn)
+    dCs, dns = _state_buffer(Cs.shape, Cs.dtype, dev), _state_buffer(ns.shape, ns.dtype, dev)
+    dC0, dn0 = _state_buffer(gC.shape, f32, dev), _state_buffer(gn.shape, f32, dev)
     DVS = cfg.get("DVS")  # split variant: dv in its own kernel, one program per DV tile
     DKS = cfg.get("DKS")  # and dq, dk in theirs, one program per DK tile (without DVS: dv stays in mlstm_bwd_ds)
     dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
     dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)  # per (chunk, scan tile) parts of <C, dC> at the chunk's end
     _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, row_factors=row_factors, **masks),
-        (B * H, DK // BK, DV // BVS), q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0,
+        grid, q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0,
         *factors, *_rows(q, dh, i, f), S, NC, NT, **dims, BK=BK, BV=BVS, L=L, num_warps=configs.scan_warps(cfg),
         num_stages=stages)
     # the stabilizer of the state leaving each chunk, which scales its gradient in dCs, dns
@@ -528,9 +562,9 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     dq, dk, dv = (gradient_like(t) for t in (q, k, v))
     dg = dg.sum(-1)  # <C, dC> at each chunk's end
     # the gates' gradients from q.dq and k.dk per row and DK tile (gates_from_row_sums says why)
-    rs = torch.empty(B * H * (DK // DKS if DKS else 1) * 2 * S, device=dev, dtype=f32)
+    rs = torch.empty(B * H * (_tiles(DKR, DKS) if DKS else 1) * 2 * S, device=dev, dtype=f32)
     if DVS:
-        _launch(_kernel("mlstm_bwd_dv.py.jinja", q.dtype, **masks), (B * H, NC, DV // DVS),
+        _launch(_kernel("mlstm_bwd_dv.py.jinja", q.dtype, **masks), (B * H, NC, _tiles(DVR, DVS)),
             q, k, v, i, f, dh, ms, me, dCs, N, dv,
             *_rows(q, k, v, i, f, dh, dv), S, NC, scale, **dims, BV=DVS, L=L, num_warps=warps,
             num_stages=stages)
@@ -540,7 +574,7 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
         _launch(_kernel("mlstm_bwd_ds.py.jinja", q.dtype, split_dv=bool(DVS), **masks), (B * H, NC),
             q, k, v, i, f, dh, ms, me, dCs, N, dden, dS, wu, dv, *_rows(q, k, v, i, f, dh, *(() if DVS else (dv,))),
             S, NC, scale, **dims, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
-        _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype, **masks), (B * H, NC, DK // DKS),
+        _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype, **masks), (B * H, NC, _tiles(DKR, DKS)),
             q, k, v, dh, Cs, ns, dCs, dns, N, dden, dS, wu, dq, dk, rs,
             *_rows(q, k, v, dh, dq, dk), S, NC, scale,
             **dims, BK=DKS, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
@@ -559,9 +593,11 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
         r_di, r_dlogf, r_dm0 = route_max_grads(dm, i32, F.logsigmoid(f32_).cumsum(-1), m0s)
         di_out, df_out = (di + r_di).to(i.dtype), ((dlogf + r_dlogf) * torch.sigmoid(-f32_)).to(f.dtype)
     grads = [dq, dk, dv, di_out, df_out]
-    if C0 is not None:  # dC0, dn0: stabilized by m0, as C0 and n0 are (cut where the head is padded)
+    if C0 is not None:  # dC0, dn0: stabilized by m0, as C0 and n0 are (cut where the head is padded:
+        # the tiles past the true dims are unwritten)
+        dC0, dn0, C0, n0 = dC0[..., :DKR, :DVR], dn0[..., :DKR], C0[..., :DKR, :DVR], n0[..., :DKR]
         dm0 = (dC0 * C0.float()).sum((-1, -2)) + (dn0 * n0.float()).sum(-1) + r_dm0
-        grads += [dC0[..., :DKR, :DVR].to(C0.dtype), dn0[..., :DKR].to(n0.dtype), dm0.to(m0.dtype)]
+        grads += [dC0.to(C0.dtype), dn0.to(n0.dtype), dm0.to(m0.dtype)]
     else:
         grads += [None, None, None]
     return grads

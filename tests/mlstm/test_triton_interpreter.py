@@ -85,7 +85,8 @@ CANDIDATES_SCRIPT = textwrap.dedent("""
     from torch_xaccel.codegen.mlstm import configs as mlstm_configs, triton_kernels as mlstm_triton
     torch.manual_seed(1)
     bad = 0
-    for DK, DV in [(512, 64), (128, 128), (100, 72)]:  # (100, 72): a head run as 128/128, columns masked
+    for DK, DV in [(512, 64), (128, 128), (160, 136)]:
+        # (160, 136): a head run as 256/256, columns masked, the 64-wide state tiles past 192 / 192 skipped
         # three chunks even at chunk 128, the last one partial; two heads where the split backward's
         # per-(head, chunk) scratch (dS, w, u) is indexed
         B, H, S = 1, (2 if DK < 512 else 1), 260
