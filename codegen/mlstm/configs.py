@@ -18,7 +18,8 @@ HEAD_DIMS = (16, 32, 64, 128, 256, 512)
 
 def padded(D: int) -> int | None:
     """The head dim the kernels run D at: the smallest of HEAD_DIMS >= D (a head dim between them
-    runs at that size with its extra columns masked: triton_kernels._padding), or None above them."""
+    runs at that size with its extra columns masked and its state tiles past them skipped:
+    triton_kernels._padding), or None above them."""
     return next((d for d in HEAD_DIMS if d >= D), None)
 
 

@@ -249,8 +249,8 @@ def chunk_states(k, v, i, f, C0, n0, m0, cfg):
         _launch(_kernel("mlstm_chunk_gates.py.jinja", k.dtype), (B * H, NC), i, f, *gates, *_rows(i, f), S, NC, L=L)
     _launch(_kernel("mlstm_chunk_states.py.jinja", k.dtype, has_state=has_state, gate_factors=gate_factors,
                     loads_first=bool(cfg.get("LF")), **_masks(dims)),
-        _state_grid(B * H, dims, BK, BVS), k, v, i, f, C0, n0, m0, Cs, ns, ms, C, n, m, *gates, *_rows(k, v, i, f), S, NC,
-        scale, **dims, BK=BK, BV=BVS, L=L, num_warps=configs.scan_warps(cfg), num_stages=stages)
+        _state_grid(B * H, dims, BK, BVS), k, v, i, f, C0, n0, m0, Cs, ns, ms, C, n, m, *gates, *_rows(k, v, i, f),
+        S, NC, scale, **dims, BK=BK, BV=BVS, L=L, num_warps=configs.scan_warps(cfg), num_stages=stages)
     return (Cs, ns, ms), (C, n, m)
 
 
@@ -363,7 +363,7 @@ def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, keep=False):
     """keep: also return the chunk states and each row's (den_t, m_t) [B*H, 2, S] fp32."""
     B, H, S = q.shape[:3]
     dims = _head(q, v)
-    DV, DKR, DVR = dims["DV"], dims["DKR"], dims["DVR"]
+    DKR, DVR = dims["DKR"], dims["DVR"]
     L = cfg["L"]
     (Cs, ns, ms), (C, n, m) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
     h = torch.empty(B, H, S, DVR, dtype=q.dtype, device=q.device)
@@ -523,7 +523,7 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
 
     B, H, S = q.shape[:3]
     dims = _head(q, v)
-    DK, DV, DKR, DVR = dims["DK"], dims["DV"], dims["DKR"], dims["DVR"]
+    DKR, DVR = dims["DKR"], dims["DVR"]
     scale, masks = DKR ** -0.5, _masks(dims)
     dev, f32 = q.device, torch.float32
     L, BK, BVS, warps, stages = cfg["L"], cfg["BK"], cfg["BVS"], cfg["warps"], cfg["stages"]
