@@ -1,7 +1,7 @@
 """Side-by-side timings on the GPU, every path measured in one run:
 
-    python -m torch_xaccel.bench causal_conv|gemm|group_norm|headwise|mlstm|model|slstm [--out DIR] [--quick]
-        [--no-max-autotune] [--only TEXT]
+    python -m torch_xaccel.bench causal_conv|gemm|group_norm|headwise|mlstm|model|skinny_linear|slstm
+        [--out DIR] [--quick] [--no-max-autotune] [--only TEXT]
 
 Prints one table (xaccel, eager, Inductor default, Inductor max-autotune, the cuBLAS matmuls
 alone) with times, TFLOP/s and ratios, checks xaccel against an fp32 reference, and writes
@@ -224,6 +224,35 @@ def group_norm(N, C=1536, G=4, train=False):
         return f, (x, w), lambda: dense.clone(), step
     return Case(f"group norm N{N} C{C} G{G}{', train step' if train else ''}", 0, make, train=train,
                 baseline="one copy of x")
+
+
+def skinny_linear(M, width=1536, heads=4, train=False):
+    """The xlstm package's mLSTM gates (the 7:1 stack's: igate and fgate of cat(q, k, v), 4 heads,
+    q, k, v of 1536 over B16 S1024 rows), bf16; with train, forward + backward of a mean-square
+    loss. The baseline row is one copy of q, k and v."""
+    def make():
+        g = torch.Generator(device="cuda").manual_seed(0)
+        qkv = [torch.randn(M, width, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(train)
+               for _ in range(3)]
+        ws = [(torch.randn(heads, 3 * width, device="cuda", generator=g) / 64).bfloat16().requires_grad_(train)
+              for _ in range(2)]
+        bs = [torch.randn(heads, device="cuda", generator=g).bfloat16().requires_grad_(train) for _ in range(2)]
+
+        def f(q, k, v, wi, bi, wf, bf):
+            x = torch.cat([q, k, v], -1)
+            return F.linear(x, wi, bi), F.linear(x, wf, bf)
+        dense = torch.stack([t.detach() for t in qkv])
+
+        def step(fn):
+            def run():
+                for t in (*qkv, *ws, *bs):
+                    t.grad = None
+                i, f_ = fn(*qkv, ws[0], bs[0], ws[1], bs[1])
+                (i.float().square().mean() + f_.float().square().mean()).backward()
+            return run
+        return f, (*qkv, ws[0], bs[0], ws[1], bs[1]), lambda: dense.clone(), step
+    return Case(f"mLSTM gates M{M} 3 x {width} -> 2 x {heads}{', train step' if train else ''}",
+                2 * M * 3 * width * 2 * heads * (3 if train else 1), make, train=train, baseline="one copy of q, k, v")
 
 
 def mlp_train(M, d=2048, h=8192, layers=4):
@@ -787,6 +816,8 @@ SUITES = {
     "headwise": lambda quick: [headwise(2048 if quick else 16384), headwise(2048 if quick else 16384, train=True)],
     "group_norm": lambda quick: [group_norm(2048 if quick else 16384),
                                  group_norm(2048 if quick else 16384, train=True)],
+    "skinny_linear": lambda quick: [skinny_linear(2048 if quick else 16384),
+                                    skinny_linear(2048 if quick else 16384, train=True)],
     "causal_conv": lambda quick: [causal_conv(2 if quick else 16, 1024),
                                   causal_conv(2 if quick else 16, 1024, train=True)],
     "model": lambda quick: [xlstm_model(quick=quick) if not quick else

@@ -98,6 +98,14 @@ FAMILIES: tuple[Family, ...] = (
         onnx={"group_norm": "torch_xaccel.ops.group_norm.onnx:group_norm_function"},
     ),
     Family(
+        "skinny_linear",
+        passes={"skinny_linear": "torch_xaccel.lowering.skinny_linear.shared_input:run"},
+        ops="torch_xaccel.ops.skinny_linear",
+        providers={"skinny_linear": "torch_xaccel.codegen.skinny_linear:forward",
+                   "skinny_linear_backward": "torch_xaccel.codegen.skinny_linear:backward"},
+        onnx={"skinny_linear": "torch_xaccel.ops.skinny_linear.onnx:skinny_linear_function"},
+    ),
+    Family(
         "slstm",
         passes={"slstm": "torch_xaccel.lowering.slstm.sequence:run",
                 "slstm_step": "torch_xaccel.lowering.slstm.step:run"},
@@ -118,7 +126,7 @@ FAMILIES: tuple[Family, ...] = (
 # pass runs before its sequence form so that the steps it replaces are not reported as
 # unrecognized sequences.
 PASS_ORDER: tuple[str, ...] = ("slstm_step", "slstm", "mlstm_step", "mlstm", "headwise", "causal_conv",
-                               "group_norm", "gemm_epilogue")
+                               "group_norm", "skinny_linear", "gemm_epilogue")
 
 PATTERNS: tuple[str, ...] = tuple(p for f in FAMILIES for p in f.patterns)  # what XACCEL_PATTERNS accepts
 REPORT_KEYS: tuple[str, ...] = tuple(k for f in FAMILIES for k in f.report_keys)  # counts() keys, in order
