@@ -4,7 +4,9 @@ their weights (and biases) stacked, each linear's output a slice of its result. 
 is a concatenation along the last dim (the xlstm package's `torch.cat([q, k, v], -1)`), the op
 reads the parts in place and the concatenation goes when nothing else reads it.
 
-Linears with more outputs are the gemm_epilogue pass's. On CUDA, a linear of fewer than
+What the op saves is structural: a read of the input shared by several linears, or the
+concatenation never built. A lone linear of a plain input gains neither and is the gemm_epilogue
+pass's (which fuses what follows it), as are linears with more outputs. On CUDA, a linear of fewer than
 MIN_ROWS static rows (a decode step) stays on cuBLAS, reported.
 """
 from __future__ import annotations
@@ -136,6 +138,8 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     for (x, _), linears in by_input.items():
         xs = _parts(x, MAX_INPUTS)
         for group in _groups(linears, MAX_N, order):
+            if len(group) == 1 and len(xs) == 1:
+                continue  # nothing shared, nothing to read in place
             where = location(group[0][0])
             what = (f"{len(group)} linear(s) of one input, {sum(val(g[2]).shape[0] for g in group)} outputs"
                     + (f", over the concatenation of {len(xs)} inputs read in place" if len(xs) > 1 else ""))

@@ -27,16 +27,20 @@ def test_gates_over_a_concatenation_are_one_op_equal_to_eager():
 
 def test_linears_of_one_input_without_concatenation_or_bias():
     torch.manual_seed(1)
-    for fn, inputs in ((lambda x, a, b: F.linear(x, a) * F.linear(x, b), (_w(3, 7, 40), _w(8, 40), _w(8, 40))),
-                       (lambda x, a: F.linear(x.relu(), a).sum(-1), (_w(11, 33), _w(3, 33)))):
-        report = check_compiled(fn, inputs)
-        assert report.counts()["skinny_linear"] == 1, str(report)
+    report = check_compiled(lambda x, a, b: F.linear(x, a) * F.linear(x, b), (_w(3, 7, 40), _w(8, 40), _w(8, 40)))
+    assert report.counts()["skinny_linear"] == 1, str(report)
+
+
+def test_a_lone_linear_of_a_plain_input_is_left_to_gemm_epilogue():
+    torch.manual_seed(5)
+    report = check_compiled(lambda x, a: F.linear(x.relu(), a).sigmoid(), (_w(11, 33), _w(3, 33)))
+    assert report.counts()["skinny_linear"] == 0 and report.counts()["gemm_epilogue"] == 1, str(report)
 
 
 def test_outputs_past_the_limit_split_into_groups_and_wide_linears_are_left():
     torch.manual_seed(2)
-    three = lambda x, a, b, c: F.linear(x, a) + F.linear(x, b) - F.linear(x, c)  # noqa: E731
-    report = check_compiled(three, (_w(5, 20), _w(8, 20), _w(8, 20), _w(8, 20)))
+    four = lambda x, a, b, c, d: F.linear(x, a) + F.linear(x, b) - F.linear(x, c) * F.linear(x, d)  # noqa: E731
+    report = check_compiled(four, (_w(5, 20), _w(8, 20), _w(8, 20), _w(8, 20), _w(8, 20)))
     assert report.counts()["skinny_linear"] == 2, str(report)
     report = check_compiled(lambda x, a: F.linear(x, a).tanh(), (_w(5, 20), _w(32, 20)))
     assert report.counts()["skinny_linear"] == 0
