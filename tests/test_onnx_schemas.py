@@ -34,7 +34,7 @@ def test_registered_by_torch_xaccel_onnx_once_and_again_without_error():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split("\n")[-2] == str(["causal_conv1d", "gemm_epilogue", "group_norm", "headwise", "mlstm",
-                                               "mlstm_step", "slstm", "slstm_step"])
+                                               "mlstm_step", "skinny_linear", "slstm", "slstm_step"])
 
 
 def _slstm():

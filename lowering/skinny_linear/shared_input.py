@@ -96,8 +96,9 @@ def _stacked(graph, nodes: list) -> torch.fx.Node:
     return out
 
 
-def _replace(graph, group: list, xs: list) -> torch.fx.Node:
-    """Insert the op before the group's first linear; each linear's uses read its slice."""
+def _replace(graph, group: list, xs: list, replaced: dict) -> torch.fx.Node:
+    """Insert the op before the group's first linear; each linear's uses read its slice (noted in
+    `replaced`, for groups still to come that read an erased linear)."""
     nodes, weights = [g[0] for g in group], [g[2] for g in group]
     biases = [g[3] for g in group if g[3] is not None]
     fake_mode = val(xs[0]).fake_mode
@@ -119,6 +120,7 @@ def _replace(graph, group: list, xs: list) -> torch.fx.Node:
                     out.meta["val"] = aten.slice.Tensor(val(y), -1, start, start + n)
             start += n
             node.replace_all_uses_with(out)
+            replaced[node] = out
     for node in nodes:
         graph.erase_node(node)
     return y
@@ -129,6 +131,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
 
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
+    replaced: dict = {}  # an erased linear -> the node its uses read now
     by_input: dict = {}
     for node in list(graph.nodes):
         found = _narrow_linear(node, MAX_N)
@@ -136,6 +139,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             x, w, b = found
             by_input.setdefault((x, b is None), []).append((node, x, w, b))
     for (x, _), linears in by_input.items():
+        x = replaced.get(x, x)
         xs = _parts(x, MAX_INPUTS)
         for group in _groups(linears, MAX_N, order):
             if len(group) == 1 and len(xs) == 1:
@@ -147,7 +151,8 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             if why:
                 ctx.report.fallbacks.append(Fallback(FAMILY, f"{what} left as written: {why}", where))
                 continue
-            _replace(graph, group, xs)
+            group = [(node, x, *(replaced.get(t, t) for t in rest)) for node, _, *rest in group]
+            _replace(graph, group, xs, replaced)
             ctx.report.replacements.append(Replacement(FAMILY, "xaccel.skinny_linear", what, where))
         if x.target is aten.cat.default and not x.users:
             graph.erase_node(x)

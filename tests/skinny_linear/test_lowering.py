@@ -46,6 +46,17 @@ def test_outputs_past_the_limit_split_into_groups_and_wide_linears_are_left():
     assert report.counts()["skinny_linear"] == 0
 
 
+def test_gates_of_gates_read_the_first_groups_output():
+    """A second group whose input is a linear the first group replaced reads the op's slice."""
+    torch.manual_seed(6)
+
+    def fn(x, a, b, c, d):
+        g = F.linear(x, a)
+        return F.linear(g, c) * F.linear(g, d) + F.linear(x, b).sum(-1, keepdim=True)
+    report = check_compiled(fn, (_w(3, 10), _w(6, 10), _w(6, 10), _w(3, 6), _w(3, 6)))
+    assert report.counts()["skinny_linear"] == 2, str(report)
+
+
 def test_concatenation_read_elsewhere_is_kept():
     torch.manual_seed(3)
 
