@@ -53,11 +53,12 @@ def _rows(x):
 
 
 def _layout(xs) -> dict:
-    widths = [x.shape[-1] for x in xs]
-    offsets = [sum(widths[:j]) for j in range(len(xs))]
-    tiles = [cdiv(w, BK) for w in widths]
+    """The template's values (tuples: template_kernel keys on them)."""
+    widths = tuple(x.shape[-1] for x in xs)
+    offsets = tuple(sum(widths[:j]) for j in range(len(xs)))
+    tiles = tuple(cdiv(w, BK) for w in widths)
     return dict(n_xs=len(xs), widths=widths, offsets=offsets, tiles=tiles,
-                tile_ends=[sum(tiles[:j + 1]) for j in range(len(xs))],
+                tile_ends=tuple(sum(tiles[:j + 1]) for j in range(len(xs))),
                 precision="ieee" if xs[0].dtype == torch.float32 else "tf32")
 
 
@@ -87,14 +88,10 @@ def forward(key, weight, bias, xs):
         meta = dict(N=N, NP=NP, BM=BM, BK=BK, HAS_B=bias is not None, num_warps=WARPS)
         tensors = (weight, weight if bias is None else bias, y, *rows)  # (absent bias: an unread pointer)
         args = (*tensors[:3], *ints, *(v for r in rows for v in (r, *r.stride())))
-        _LAUNCHES.launch(("fwd", y.device, y.dtype, ints, strides, tuple(layout["widths"]), N, bias is not None),
-                         cache.template_kernel(TEMPLATES, "skinny_linear.py.jinja", **_render(layout)),
+        _LAUNCHES.launch(("fwd", y.device, y.dtype, ints, strides, layout["widths"], N, bias is not None),
+                         cache.template_kernel(TEMPLATES, "skinny_linear.py.jinja", **layout),
                          (cdiv(M, BM),), args, meta, tensors)
     return y
-
-
-def _render(layout: dict) -> dict:
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in layout.items()}
 
 
 def backward(key, dy, weight, xs, with_bias):
@@ -119,8 +116,8 @@ def backward(key, dy, weight, xs, with_bias):
         tensors = (dy_rows, weight, parts, *rows, *dxs)
         args = (dy_rows, weight, parts, *ints,
                 *(v for j, r in enumerate(rows) for v in (r, *r.stride(), dxs[j])))
-        _LAUNCHES.launch(("bwd", dy.device, dy.dtype, ints, strides, tuple(layout["widths"])),
-                         cache.template_kernel(TEMPLATES, "skinny_linear_backward.py.jinja", **_render(layout)),
+        _LAUNCHES.launch(("bwd", dy.device, dy.dtype, ints, strides, layout["widths"]),
+                         cache.template_kernel(TEMPLATES, "skinny_linear_backward.py.jinja", **layout),
                          (chunks, layout["tile_ends"][-1]), args, meta, tensors)
         dweight = parts.sum(0)
     dbias = dy_rows.sum(0, dtype=torch.float32) if with_bias else dy.new_empty(0, dtype=torch.float32)

@@ -96,9 +96,8 @@ def _stacked(graph, nodes: list) -> torch.fx.Node:
     return out
 
 
-def _replace(graph, group: list, xs: list, replaced: dict) -> torch.fx.Node:
-    """Insert the op before the group's first linear; each linear's uses read its slice (noted in
-    `replaced`, for groups still to come that read an erased linear)."""
+def _replace(graph, group: list, xs: list) -> None:
+    """Insert the op before the group's first linear; each linear's uses read its slice."""
     nodes, weights = [g[0] for g in group], [g[2] for g in group]
     biases = [g[3] for g in group if g[3] is not None]
     fake_mode = val(xs[0]).fake_mode
@@ -120,27 +119,25 @@ def _replace(graph, group: list, xs: list, replaced: dict) -> torch.fx.Node:
                     out.meta["val"] = aten.slice.Tensor(val(y), -1, start, start + n)
             start += n
             node.replace_all_uses_with(out)
-            replaced[node] = out
     for node in nodes:
         graph.erase_node(node)
-    return y
 
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     from torch_xaccel.codegen.skinny_linear import MAX_INPUTS, MAX_N
 
     graph = gm.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    replaced: dict = {}  # an erased linear -> the node its uses read now
     by_input: dict = {}
     for node in list(graph.nodes):
         found = _narrow_linear(node, MAX_N)
         if found is not None:
-            x, w, b = found
-            by_input.setdefault((x, b is None), []).append((node, x, w, b))
-    for (x, _), linears in by_input.items():
-        x = replaced.get(x, x)
+            by_input.setdefault((found[0], found[2] is None), []).append(node)
+    for nodes in by_input.values():
+        # read afresh: an earlier group may have replaced this input (a linear's output) by a slice
+        linears = [(node, *_narrow_linear(node, MAX_N)) for node in nodes]
+        x = linears[0][1]
         xs = _parts(x, MAX_INPUTS)
+        order = {n: i for i, n in enumerate(graph.nodes)}  # the graph as earlier groups left it
         for group in _groups(linears, MAX_N, order):
             if len(group) == 1 and len(xs) == 1:
                 continue  # nothing shared, nothing to read in place
@@ -151,8 +148,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             if why:
                 ctx.report.fallbacks.append(Fallback(FAMILY, f"{what} left as written: {why}", where))
                 continue
-            group = [(node, x, *(replaced.get(t, t) for t in rest)) for node, _, *rest in group]
-            _replace(graph, group, xs, replaced)
+            _replace(graph, group, xs)
             ctx.report.replacements.append(Replacement(FAMILY, "xaccel.skinny_linear", what, where))
         if x.target is aten.cat.default and not x.users:
             graph.erase_node(x)
