@@ -1,10 +1,10 @@
-"""Where the xlstm package's xLSTMBlockStack spends its time (E768, 4 heads, B16 S1024, bf16, its
-sLSTM on the vanilla backend, compiled with backend="xaccel"): prefill and train step (forward +
+"""Where the xlstm package's xLSTMBlockStack spends its time (E768 and 4 heads unless given, B16
+S1024, bf16, its sLSTM on the vanilla backend, compiled with backend="xaccel"): prefill and train step (forward +
 backward of a mean-square loss) under the torch profiler, the top kernels by GPU time, then the
 ATen ops by self GPU time with their input shapes (where the copies come from). Run on the GPU
 machine:
 
-    python benchmarks/stack_profile.py [--slstm-at 7] [--blocks 8] [--top 40]
+    python benchmarks/stack_profile.py [--slstm-at 7] [--blocks 8] [--top 40] [--embedding 2048 --heads 8]
 """
 from __future__ import annotations
 
@@ -22,11 +22,13 @@ def main() -> None:
     p.add_argument("--slstm-at", default="7", help="comma-separated sLSTM block indices")
     p.add_argument("--blocks", type=int, default=8)
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--embedding", type=int, default=768)
+    p.add_argument("--heads", type=int, default=4, help="of the sLSTM and the mLSTM layers")
     args = p.parse_args()
     slstm_at = tuple(int(a) for a in args.slstm_at.split(","))
-    model = _slstm_stack(768, args.blocks, slstm_at, "vanilla", 16, 1024)
+    model = _slstm_stack(args.embedding, args.blocks, slstm_at, "vanilla", 16, 1024, args.heads)
     fn = torch.compile(model, backend="xaccel")
-    x = torch.randn(16, 1024, 768, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(16, 1024, args.embedding, device="cuda", dtype=torch.bfloat16)
 
     def prefill():
         with torch.inference_mode():

@@ -156,18 +156,19 @@ SPLIT2 = dict(L=64, BV=64, BK=64, BVS=128, warps=4, stages=2, DKS=128)
 def backward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
     """Same keys, plus DVS (dv in its own kernel, one program per chunk and DVS-wide DV tile)
     and DKS (dq and dk in theirs, one program per chunk and DKS-wide DK tile; without DVS, SPLIT2).
-    Below DQK 512 in bf16/fp16 the first is SPLIT2 (the fastest at both benchmark shapes), then
-    SPLIT3 and its DVS 128 variant (the runners-up), then the single per-chunk kernel (chunk 64,
-    DV tile 32), which stays the tuner's agreement reference. DQK 512: L64 x BV32 asks 290 KB of
-    shared memory on sm_90 (over the 227 KB limit); L32 x BV64 and L16 x BV64 fit (checked
-    against the analytic backward on the GPU; untimed). fp32 from DQK 256: FP32_BACKWARD."""
+    In bf16/fp16 the first is SPLIT2 (the fastest at both benchmark shapes and at DQK 512), then
+    SPLIT3 and its DVS 128 variant (the runners-up); below DQK 512 then the single per-chunk
+    kernel (chunk 64, DV tile 32), which stays the tuner's agreement reference. At DQK 512 that
+    kernel's L64 x BV32 asks 290 KB of shared memory on sm_90 (over the 227 KB limit) and only
+    chunks of 16-32 fit it, whose backward cannot read the forward's kept chunk-64 states and so
+    reruns their scan: the split kernels alone, all at chunk 64, are faster. fp32 from DQK 256:
+    FP32_BACKWARD."""
     if itemsize > 2 and DK >= 256:
         return fitted(FP32_BACKWARD[min(DK, WIDE_DK)], DK, DV)
-    if DK >= WIDE_DK:
-        base = dict(L=32, BV=64, BK=64, BVS=128, warps=8, stages=2)
-        return fitted((base, dict(base, L=16, warps=4)), DK, DV)
-    base = dict(L=64, BV=32, BK=64, BVS=128, warps=8, stages=2)
     split = [SPLIT2, SPLIT3, dict(SPLIT3, DVS=128)] if itemsize <= 2 else []
+    if DK >= WIDE_DK:
+        return fitted(split, DK, DV)
+    base = dict(L=64, BV=32, BK=64, BVS=128, warps=8, stages=2)
     return fitted(split + [base, dict(base, warps=4), dict(base, BV=64, DVS=64)], DK, DV)
 
 

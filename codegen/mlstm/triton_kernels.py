@@ -345,8 +345,8 @@ def backward_reads_kept_states(device_type: str, dtype: torch.dtype, DK: int, DV
     """Whether keeping the chunk states in a training graph pays: the kernels run there (CUDA, or
     Triton's interpreter) and every backward config they may pick walks chunks of chunk_size, so
     the kept states replace the backward's scan. Else (the CPU reference, whose backward ignores
-    them; DQK 512 or fp32 from DQK 256, whose backward chunks are 16-32; a chunk size the kernels
-    do not take) they would be held for nothing (lowering/mlstm/chunk_states.py asks)."""
+    them; fp32 from DQK 256, whose backward chunks are 16-32; a chunk size the kernels do not
+    take) they would be held for nothing (lowering/mlstm/chunk_states.py asks)."""
     if chunk_size not in configs.CHUNKS or dtype not in configs.DTYPES or DK not in configs.HEAD_DIMS \
             or DV not in configs.HEAD_DIMS:
         return False

@@ -231,16 +231,17 @@ def test_training_graph_keeps_chunk_states_unless_switched_off(xaccel_env, monke
 
 def test_chunk_states_are_kept_only_where_the_backward_reads_them(monkeypatch):
     """Kept states cost DQK/64 x v's memory per layer until the backward: only where the kernels
-    run and every backward config walks chunks of the op's chunk size. Not on the CPU reference
-    path, at DQK 512 (backward chunks 16-32), in fp32 from DQK 256, or at a chunk the kernels do
-    not take (the library's chunk 256, say, whose forward would then fall back)."""
+    run and every backward config walks chunks of the op's chunk size (bf16 DQK 512 included: its
+    split backward walks chunk 64). Not on the CPU reference path, in fp32 from DQK 256 (backward
+    chunks 16-32), or at a chunk the kernels do not take (the library's chunk 256, say, whose
+    forward would then fall back)."""
     from torch_xaccel.codegen.mlstm import triton_kernels as tm
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert tm.backward_reads_kept_states("cuda", torch.bfloat16, 128, 128, 64)
     assert tm.backward_reads_kept_states("cuda", torch.float16, 256, 512, 64)
     assert not tm.backward_reads_kept_states("cpu", torch.bfloat16, 128, 128, 64)
-    assert not tm.backward_reads_kept_states("cuda", torch.bfloat16, 512, 512, 64)
+    assert tm.backward_reads_kept_states("cuda", torch.bfloat16, 512, 512, 64)
     assert not tm.backward_reads_kept_states("cuda", torch.float32, 256, 512, 64)
     assert not tm.backward_reads_kept_states("cuda", torch.bfloat16, 128, 128, 256)
     assert not tm.backward_reads_kept_states("cuda", torch.bfloat16, 128, 128, 32)

@@ -250,19 +250,22 @@ def test_candidates_fit_shared_memory_per_dtype():
 
 
 def test_backward_candidate_rules():
-    """The split backward (SPLIT2, the bf16 default below DQK 512, and SPLIT3): tiles that divide
-    the head dims; not offered in fp32 (not timed there) nor at DQK 512."""
+    """The split backward (SPLIT2, the bf16 default, and SPLIT3): tiles that divide the head dims;
+    not offered in fp32 (not timed there); at DQK 512 the only candidates, all at chunk 64 (the
+    forward's kept states)."""
     from torch_xaccel.codegen.mlstm import configs as mlstm_configs
 
     assert (mlstm_configs.backward_candidates(128, 128)[0] == mlstm_configs.SPLIT2
-            and mlstm_configs.backward_candidates(256, 512)[0] == mlstm_configs.SPLIT2)
+            and mlstm_configs.backward_candidates(256, 512)[0] == mlstm_configs.SPLIT2
+            and mlstm_configs.backward_candidates(512, 512)[0] == mlstm_configs.SPLIT2)
+    assert all(c.get("DKS") and c["L"] == 64 for c in mlstm_configs.backward_candidates(512, 512))
     for DK in (16, 32, 64, 128, 256, 512):
         for DV in (16, 64, 128, 512):
             for size in (2, 4):
                 for c in mlstm_configs.backward_candidates(DK, DV, size):
                     assert not c.get("DKS") or DK % c["DKS"] == 0, c
                     assert not c.get("DVS") or DV % c["DVS"] == 0, c
-                    assert not (c.get("DKS") and (size > 2 or DK >= mlstm_configs.WIDE_DK)), (DK, DV, size, c)
+                    assert not (c.get("DKS") and size > 2), (DK, DV, size, c)
     assert any(c.get("DKS") and not c.get("DVS") for c in mlstm_configs.backward_candidates(128, 128))  # SPLIT2
 
 
