@@ -577,8 +577,9 @@ def _slstm_stack(E, blocks, slstm_at, backend, B, S, heads=4):
 def run_slstm_model_case(case: Case) -> list:
     """Rows per configuration: prefill (inference mode) and train step (forward + backward of a
     mean-square loss), with the first call's time (compile, kernel builds and tuning) for the
-    compiled one. Configurations: the vanilla sLSTM compiled with xaccel (default settings), the
-    package's CUDA sLSTM backend uncompiled (its kernels build at construction)."""
+    compiled ones. Configurations: the vanilla sLSTM compiled with xaccel (default settings, then
+    with the rest of the graph fused by Inductor), the package's CUDA sLSTM backend uncompiled
+    (its kernels build at construction). --paths narrows the configurations."""
     E, blocks, slstm_at, B, S, heads = case.make()
     rows = []
 
@@ -588,36 +589,46 @@ def run_slstm_model_case(case: Case) -> list:
 
     print(f"\n{case.name}", flush=True)
     x = torch.randn(B, S, E, device="cuda", dtype=torch.bfloat16)
-    from torch_xaccel.report import last_report
-
-    for label, backend, compiled in (("xaccel (vanilla sLSTM, compiled)", "vanilla", True),
-                                     ("xlstm CUDA sLSTM backend, uncompiled", "cuda", False)):
+    for label, backend, compiled, env in (
+            ("xaccel (vanilla sLSTM, compiled)", "vanilla", True, {}),
+            ("xaccel, rest by Inductor (XACCEL_FALLBACK=inductor)", "vanilla", True, {"XACCEL_FALLBACK": "inductor"}),
+            ("xlstm CUDA sLSTM backend, uncompiled", "cuda", False, {})):
+        if PATHS and not re.search(PATHS, label):
+            continue
         try:
             t0 = time.perf_counter()
             model = _slstm_stack(E, blocks, slstm_at, backend, B, S, heads)
-            built = time.perf_counter() - t0
-            torch._dynamo.reset()
-            fn = torch.compile(model, backend="xaccel") if compiled else model
-            with torch.inference_mode():
-                t0 = time.perf_counter()
-                fn(x)
-                torch.cuda.synchronize()
-                first = time.perf_counter() - t0
-                counts = f", replaced {last_report().counts()}" if compiled else f", model built in {built:.0f}s"
-                add(f"{label}, prefill", _bench(lambda fn=fn: fn(x), True), f"first call {first:.1f}s{counts}")
-
-            def train(fn=fn):
-                fn(x).float().square().mean().backward()
-            t0 = time.perf_counter()
-            train()
-            torch.cuda.synchronize()
-            first = time.perf_counter() - t0
-            add(f"{label}, train step", _bench(train, True, list(model.parameters())), f"first call {first:.1f}s")
-            model = fn = train = None  # freed before the next configuration
-            _empty_cache()
+            built = f", model built in {time.perf_counter() - t0:.0f}s"
+            with mock.patch.dict(os.environ, env):  # read at compile, which the first calls run
+                _slstm_model_rows(label, model, compiled, x, add, built)
+            model = None  # freed before the next configuration
         except Exception as e:  # noqa: BLE001 - a configuration that cannot run is a finding, not a crash
             print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        _empty_cache()
     return _ratios_to_first(rows)
+
+
+def _slstm_model_rows(label, model, compiled, x, add, built) -> None:
+    """Prefill and train-step rows of one built stack (compiled here when `compiled`)."""
+    from torch_xaccel.report import last_report
+
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend="xaccel") if compiled else model
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        fn(x)
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        counts = f", replaced {last_report().counts()}" if compiled else built
+        add(f"{label}, prefill", _bench(lambda: fn(x), True), f"first call {first:.1f}s{counts}")
+
+    def train():
+        fn(x).float().square().mean().backward()
+    t0 = time.perf_counter()
+    train()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    add(f"{label}, train step", _bench(train, True, list(model.parameters())), f"first call {first:.1f}s")
 
 
 def run_slstm_model_decode_case(case: Case) -> list:

@@ -153,21 +153,25 @@ SPLIT2 = dict(L=64, BV=64, BK=64, BVS=128, warps=4, stages=2, DKS=128)
 # configs: spill counts there do not predict Triton 3.6's speed on the GPU.
 
 
-def backward_candidates(DK: int, DV: int, itemsize: int = 2) -> list[dict]:
+def backward_candidates(DK: int, DV: int, itemsize: int = 2, kept: bool = False) -> list[dict]:
     """Same keys, plus DVS (dv in its own kernel, one program per chunk and DVS-wide DV tile)
     and DKS (dq and dk in theirs, one program per chunk and DKS-wide DK tile; without DVS, SPLIT2).
-    In bf16/fp16 the first is SPLIT2 (the fastest at both benchmark shapes and at DQK 512), then
-    SPLIT3 and its DVS 128 variant (the runners-up); below DQK 512 then the single per-chunk
-    kernel (chunk 64, DV tile 32), which stays the tuner's agreement reference. At DQK 512 that
-    kernel's L64 x BV32 asks 290 KB of shared memory on sm_90 (over the 227 KB limit) and only
-    chunks of 16-32 fit it, whose backward cannot read the forward's kept chunk-64 states and so
-    reruns their scan: the split kernels alone, all at chunk 64, are faster. fp32 from DQK 256:
-    FP32_BACKWARD."""
+    kept: the backward reads the forward's kept chunk-64 states (no scan of its own). In bf16/fp16
+    below DQK 512 the first is SPLIT2 (the fastest at both benchmark shapes), then SPLIT3 and its
+    DVS 128 variant (the runners-up), then the single per-chunk kernel (chunk 64, DV tile 32),
+    which stays the tuner's agreement reference. At DQK 512 that kernel's L64 x BV32 asks 290 KB
+    of shared memory on sm_90 (over the 227 KB limit); chunks of 32 and 16 fit, but cannot read
+    kept chunk-64 states: with kept states the split kernels alone (all at chunk 64, the faster
+    there), without them (a padded head, whose states are not kept) the chunk-32 kernel first,
+    then chunk 16 and the split kernels, the tuner choosing. fp32 from DQK 256: FP32_BACKWARD."""
     if itemsize > 2 and DK >= 256:
         return fitted(FP32_BACKWARD[min(DK, WIDE_DK)], DK, DV)
     split = [SPLIT2, SPLIT3, dict(SPLIT3, DVS=128)] if itemsize <= 2 else []
     if DK >= WIDE_DK:
-        return fitted(split, DK, DV)
+        if kept:
+            return fitted(split, DK, DV)
+        base = dict(L=32, BV=64, BK=64, BVS=128, warps=8, stages=2)
+        return fitted([base, dict(base, L=16, warps=4)] + split, DK, DV)
     base = dict(L=64, BV=32, BK=64, BVS=128, warps=8, stages=2)
     return fitted(split + [base, dict(base, warps=4), dict(base, BV=64, DVS=64)], DK, DV)
 
@@ -180,10 +184,10 @@ def forward_config(DK: int, DV: int, itemsize: int = 2) -> dict | None:
     return next(iter(forward_candidates(DK, DV, itemsize)), None)
 
 
-def backward_config(DK: int, DV: int, itemsize: int = 2) -> dict | None:
+def backward_config(DK: int, DV: int, itemsize: int = 2, kept: bool = False) -> dict | None:
     if interpreting():
         return fit(INTERPRETER_CONFIG, DK, DV)
-    return next(iter(backward_candidates(DK, DV, itemsize)), None)
+    return next(iter(backward_candidates(DK, DV, itemsize, kept)), None)
 
 
 def at_chunk(configs, chunk: int):

@@ -10,6 +10,7 @@ class (_tuned); settings.py holds the switches for the A/B forms the kernels kee
 from __future__ import annotations
 
 import contextvars
+import functools
 import hashlib
 from pathlib import Path
 
@@ -100,7 +101,8 @@ def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch, kept: bool = Fa
     DK, DV = configs.padded(q.shape[-1]), configs.padded(v.shape[-1])
     size = q.element_size()
     config, candidates = ((configs.forward_config, configs.forward_candidates) if phase == "fwd"
-                          else (configs.backward_config, configs.backward_candidates))
+                          else (functools.partial(configs.backward_config, kept=kept),
+                                functools.partial(configs.backward_candidates, kept=kept)))
     if chunk is not None:
         config, candidates = configs.at_chunk(config, chunk), configs.at_chunk(candidates, chunk)
     if interpreting() or q.device.type != "cuda" or not settings.current().tune:
@@ -355,7 +357,7 @@ def backward_reads_kept_states(device_type: str, dtype: torch.dtype, DK: int, DV
     if interpreting():
         return (device_type == "cpu" and dtype != torch.bfloat16
                 and configs.backward_config(DK, DV, dtype.itemsize)["L"] == chunk_size)
-    cands = configs.backward_candidates(DK, DV, dtype.itemsize)
+    cands = configs.backward_candidates(DK, DV, dtype.itemsize, kept=True)
     return device_type == "cuda" and bool(cands) and all(c["L"] == chunk_size for c in cands)
 
 

@@ -234,7 +234,8 @@ def test_chunk_states_are_kept_only_where_the_backward_reads_them(monkeypatch):
     run and every backward config walks chunks of the op's chunk size (bf16 DQK 512 included: its
     split backward walks chunk 64). Not on the CPU reference path, in fp32 from DQK 256 (backward
     chunks 16-32), or at a chunk the kernels do not take (the library's chunk 256, say, whose
-    forward would then fall back)."""
+    forward would then fall back), nor at a head dim the kernels pad (the states would be at the
+    padded dims)."""
     from torch_xaccel.codegen.mlstm import triton_kernels as tm
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -242,6 +243,7 @@ def test_chunk_states_are_kept_only_where_the_backward_reads_them(monkeypatch):
     assert tm.backward_reads_kept_states("cuda", torch.float16, 256, 512, 64)
     assert not tm.backward_reads_kept_states("cpu", torch.bfloat16, 128, 128, 64)
     assert tm.backward_reads_kept_states("cuda", torch.bfloat16, 512, 512, 64)
+    assert not tm.backward_reads_kept_states("cuda", torch.bfloat16, 384, 384, 64)  # padded: kept states unshaped
     assert not tm.backward_reads_kept_states("cuda", torch.float32, 256, 512, 64)
     assert not tm.backward_reads_kept_states("cuda", torch.bfloat16, 128, 128, 256)
     assert not tm.backward_reads_kept_states("cuda", torch.bfloat16, 128, 128, 32)
