@@ -160,14 +160,16 @@ def backward_candidates(DK: int, DV: int, itemsize: int = 2, kept: bool = False)
     below DQK 512 the first is SPLIT2 (the fastest at both benchmark shapes), then SPLIT3 and its
     DVS 128 variant (the runners-up), then the single per-chunk kernel (chunk 64, DV tile 32),
     which stays the tuner's agreement reference. At DQK 512 that kernel's L64 x BV32 asks 290 KB
-    of shared memory on sm_90 (over the 227 KB limit); chunks of 32 and 16 fit, but cannot read
-    kept chunk-64 states: with kept states the split kernels alone (all at chunk 64, the faster
-    there), without them (a padded head, whose states are not kept) the chunk-32 kernel first,
-    then chunk 16 and the split kernels, the tuner choosing. fp32 from DQK 256: FP32_BACKWARD."""
+    of shared memory on sm_90 (over the 227 KB limit), and so does SPLIT2's dv-and-dS kernel
+    (245760 B: q and k [L, DQK] beside v and dh); chunks of 32 and 16 fit the single kernel, but
+    cannot read kept chunk-64 states. So at DQK 512 with kept states SPLIT3 alone (DVS 128 first,
+    both at chunk 64), without them (a padded head, whose states are not kept) the chunk-32 kernel
+    first, then chunk 16 and SPLIT3, the tuner choosing. fp32 from DQK 256: FP32_BACKWARD."""
     if itemsize > 2 and DK >= 256:
         return fitted(FP32_BACKWARD[min(DK, WIDE_DK)], DK, DV)
     split = [SPLIT2, SPLIT3, dict(SPLIT3, DVS=128)] if itemsize <= 2 else []
     if DK >= WIDE_DK:
+        split = [dict(SPLIT3, DVS=128), SPLIT3] if itemsize <= 2 else []
         if kept:
             return fitted(split, DK, DV)
         base = dict(L=32, BV=64, BK=64, BVS=128, warps=8, stages=2)

@@ -251,17 +251,20 @@ def test_candidates_fit_shared_memory_per_dtype():
 
 def test_backward_candidate_rules():
     """The split backward (SPLIT2, the bf16 default, and SPLIT3): tiles that divide the head dims;
-    not offered in fp32 (not timed there); at DQK 512 reading kept states the only candidates, all
-    at chunk 64 (the forward's kept states); at DQK 512 without them (a padded head) timed after
-    the single per-chunk kernel at chunk 32, the one that fits there."""
+    not offered in fp32 (not timed there); at DQK 512 (SPLIT3 only: SPLIT2 exceeds shared memory
+    there) reading kept states the only candidates, all at chunk 64 (the forward's kept states);
+    at DQK 512 without them (a padded head) timed after the single per-chunk kernel at chunk 32,
+    the one that fits there."""
     from torch_xaccel.codegen.mlstm import configs as mlstm_configs
 
     assert (mlstm_configs.backward_candidates(128, 128)[0] == mlstm_configs.SPLIT2
             and mlstm_configs.backward_candidates(256, 512)[0] == mlstm_configs.SPLIT2
-            and mlstm_configs.backward_candidates(512, 512, kept=True)[0] == mlstm_configs.SPLIT2)
-    assert all(c.get("DKS") and c["L"] == 64 for c in mlstm_configs.backward_candidates(512, 512, kept=True))
+            and mlstm_configs.backward_candidates(512, 512, kept=True)[0] == dict(mlstm_configs.SPLIT3, DVS=128))
+    assert all(c.get("DKS") and c.get("DVS") and c["L"] == 64
+               for c in mlstm_configs.backward_candidates(512, 512, kept=True))  # SPLIT2 does not fit there
     unkept = mlstm_configs.backward_candidates(512, 512)
-    assert unkept[0]["L"] == 32 and not unkept[0].get("DKS") and mlstm_configs.SPLIT2 in unkept
+    assert unkept[0]["L"] == 32 and not unkept[0].get("DKS") and mlstm_configs.SPLIT3 in unkept
+    assert mlstm_configs.SPLIT2 not in unkept
     for DK in (16, 32, 64, 128, 256, 512):
         for DV in (16, 64, 128, 512):
             for size in (2, 4):

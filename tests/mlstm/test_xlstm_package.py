@@ -64,11 +64,11 @@ def test_xlstm_large_native_bf16_runs_compiled_where_eager_raises():
 @pytest.mark.parametrize("backward_fusion", ["0", "1"])  # "1": the default where CUTLASS kernels run
 def test_xlstm_large_native_train_step_equal_to_eager(monkeypatch, backward_fusion):
     """Training through xaccel.mlstm's own backward: logits within 1e-5 of eager, all gradients
-    together within 1e-5, and every parameter's gradient within 2e-4 of the float64 model's or no
+    together within 1e-5, and every parameter's gradient within 5e-4 of the float64 model's or no
     more than 3x as far from it as eager float32's own. The input-gate biases' gradients are
-    near-cancelling sums: there eager float32 itself is almost 2e-4 off float64, and which
-    summation order lands closer depends on the host CPU, so a bound between the two float32
-    paths would hold on one host and fail on another.
+    near-cancelling sums: there eager float32 itself is 0.8-2e-4 off float64 and either float32
+    path 1e-4-3e-4, depending on the host CPU's summation order, so a bound between the two
+    float32 paths would hold on one host and fail on another (a wrong gradient is off by O(1)).
     With backward fusion the backward graph's GEMM chains are fused too (GPU default with CUTLASS)."""
     monkeypatch.setenv("XACCEL_BACKWARD_FUSION", backward_fusion)
     model, tokens = _model("train"), torch.randint(0, 97, (2, 32))
@@ -96,7 +96,7 @@ def test_xlstm_large_native_train_step_equal_to_eager(monkeypatch, backward_fusi
     assert all("keeps its chunk states" in r.note for r in report.replacements if r.op == "xaccel.mlstm"), str(report)
     far = [(name, rel_err(p.grad.double(), g64), rel_err(g.double(), g64))
            for (name, p), g, g64 in zip(model.named_parameters(), grads, grads64)]
-    assert all(mine <= max(2e-4, 3 * eager) for _, mine, eager in far), [f for f in far if f[1] > 2e-4]
+    assert all(mine <= max(5e-4, 3 * eager) for _, mine, eager in far), [f for f in far if f[1] > 5e-4]
     assert rel_err(torch.cat([p.grad.flatten() for p in model.parameters()]),
                    torch.cat([g.flatten() for g in grads])) <= 1e-5
     assert not [f for f in report.fallbacks if "backward" in str(f).lower()], str(report)
