@@ -89,8 +89,7 @@ def test_xlstm_large_native_fuses_as_in_a_compile(tmp_path):
 
 def test_transformers_xlstm_for_causal_lm_fuses_as_in_a_compile(tmp_path):
     """transformers' xLSTMForCausalLM (random weights, small config): the export's xaccel nodes
-    equal the compile's counts, and one export with a dynamic batch runs at two batch sizes. (Its
-    chunk padding guards the sequence length: a dynamic S fails inside torch.export.)"""
+    equal the compile's counts, and one export with a dynamic batch runs at two batch sizes."""
     transformers = pytest.importorskip("transformers")
 
     class Logits(torch.nn.Module):
@@ -114,6 +113,39 @@ def test_transformers_xlstm_for_causal_lm_fuses_as_in_a_compile(tmp_path):
     assert res.xaccel_nodes == {k: n for k, n in compiled.items() if n} and res.xaccel_nodes["mlstm"] == 2
     for B in (1, 3):
         t = torch.randint(0, 97, (B, 32))
+        with torch.no_grad():
+            want = model(t)
+        assert rel_err(onnxruntime_outputs(path, t)[0], want) <= 1e-5
+
+
+def test_transformers_xlstm_exports_a_sequence_length_that_is_a_multiple_of_its_chunk(tmp_path):
+    """transformers' xLSTM pads the sequence to a multiple of its chunk size, so torch.export
+    cannot keep a free S symbolic: that is a clear error naming the dim and the form to declare.
+    Declared as chunk x Dim, one export runs at several lengths and batch sizes."""
+    transformers = pytest.importorskip("transformers")
+
+    class Logits(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, tokens):
+            return self.m(tokens).logits
+
+    chunk = 16
+    cfg = transformers.xLSTMConfig(vocab_size=97, hidden_size=64, num_heads=2, num_blocks=2, qk_dim_factor=0.5,
+                                   v_dim_factor=1.0, chunk_size=chunk, mode="inference", use_cache=False)
+    torch.manual_seed(0)
+    model, tokens = Logits(transformers.xLSTMForCausalLM(cfg)).eval(), torch.randint(0, 97, (2, 32))
+    Dim = torch.export.Dim
+    with pytest.raises(ValueError, match=r"cannot keep seq symbolic.*chunk \* torch.export.Dim"):
+        xonnx.export(model, (tokens,), tmp_path / "free.onnx", dynamic_shapes=({0: Dim("batch"), 1: Dim("seq")},),
+                     report=False)
+    path = tmp_path / "hf.onnx"
+    res = xonnx.export(model, (tokens,), path, dynamic_shapes=({0: Dim("batch"), 1: chunk * Dim("s")},), report=False)
+    assert res.xaccel_nodes["mlstm"] == 2
+    for B, S in ((1, 32), (3, 48), (2, 80)):
+        t = torch.randint(0, 97, (B, S))
         with torch.no_grad():
             want = model(t)
         assert rel_err(onnxruntime_outputs(path, t)[0], want) <= 1e-5

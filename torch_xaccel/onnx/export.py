@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -67,15 +68,34 @@ def _exported(model, args, kwargs, dynamic_shapes, strict, report):
             families.install_trace_hooks()
         return torch.export.export(model, args, kwargs=kwargs, dynamic_shapes=dynamic_shapes, strict=strict_mode)
     if strict is not None:
-        return run(strict)
+        return _clear_constraint_errors(run, strict)
     try:
         return run(True)
     except Exception as e:  # noqa: BLE001 - retried without Dynamo; that failure is the one raised
         first = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
-    ep = run(False)
+    ep = _clear_constraint_errors(run, False)
     report.fallbacks.append(Fallback("backend", f"exported without Dynamo (torch.export non-strict; the library "
                                                 f"substitutions do not apply): Dynamo failed ({first})"))
     return ep
+
+
+def _clear_constraint_errors(run, strict_mode: bool):
+    """run(strict_mode), with torch.export's "Constraints violated" (a dim the caller marked
+    dynamic that the model's own code branches on, e.g. padding a sequence to a multiple of its
+    chunk size) raised as an error that says so and what to declare instead."""
+    try:
+        return run(strict_mode)
+    except Exception as e:
+        text = str(e)
+        if "Constraints violated" not in text:
+            raise
+        dims = re.search(r"Constraints violated \(([^)]*)\)", text)
+        guards = [line.strip(" -") for line in text.splitlines() if "satisfy the generated guard" in line][:2]
+        raise ValueError(
+            f"torch_xaccel.onnx.export: torch.export cannot keep {dims.group(1) if dims else 'a dim'} symbolic: the "
+            f"model's own code branches on it ({'; '.join(guards) or 'see below'}). Declare the dim in the form that "
+            "code needs (for code that pads a sequence to a multiple of its chunk size: "
+            "`chunk * torch.export.Dim('s')`) or leave it static. torch.export said:\n" + text[:3000]) from e
 
 
 def _check_translatable(ep) -> None:
