@@ -395,31 +395,28 @@ def step(key, q, k, v, i, f, C, n, m, eps, scale_q=False):
             or B * H * configs.padded(DK) * configs.padded(DV) >= INT32_LIMIT:  # int32 offsets into the state
         return NotImplemented
     q_scale, k_scale = (DK ** -0.5, 1.0) if scale_q else (1.0, DK ** -0.5)
-    padding = _padding(DK, DV)
-    if padding:
-        pk, pv = padding
-        q, k, v, C, n = _pad(q, pk), _pad(k, pk), _pad(v, pv), _pad(C, pk, pv), _pad(n, pk)
-        h, C2, n2, m2 = _step(q, k, v, i, f, C, n, m, q_scale, k_scale, eps)
-        return h[..., :DV].contiguous(), C2[..., :DK, :DV].contiguous(), n2[..., :DK].contiguous(), m2
     return _step(q, k, v, i, f, C, n, m, q_scale, k_scale, eps)
 
 
 def _step(q, k, v, i, f, C, n, m, q_scale, k_scale, eps):
+    """A head dim between the kernels' sizes runs in the tiles of configs.padded, its columns past
+    the true dims masked: no padded copies of q, k, v or the state on a decode's hot path."""
     B, H, DK = q.shape
     DV = v.shape[-1]
     q, k, v, i, f = (t.contiguous() for t in (q, k, v, i, f))
     C, n, m = (t.float().contiguous() for t in (C, n, m))
     h = torch.empty(B, H, DV, dtype=q.dtype, device=q.device)
     C2, n2, m2 = torch.empty_like(C), torch.empty_like(n), torch.empty_like(m)
-    BV = min(DV, 64)
+    DKP, DVP = configs.padded(DK), configs.padded(DV)
+    BV = min(DVP, 64)
     key = ("step", interpreting())
     if key not in _KERNELS:
-        name = "mlstm_step_" + hashlib.sha256(b"mlstm_step|v2").hexdigest()[:12]
+        name = "mlstm_step_" + hashlib.sha256(b"mlstm_step|v3").hexdigest()[:12]
         src = TEMPLATES.render("mlstm_step.py.jinja", kernel_name=name)
         _KERNELS[key] = getattr(cache.load_source(name, src), name)
     # eps as a float: the compiled kernel's argument type must not depend on how a caller spelled it
-    args, meta, grid = ((q, k, v, i, f, C, n, m, h, C2, n2, m2, q_scale, k_scale, float(eps)),
-                        dict(DK=DK, DV=DV, BV=BV), (B * H, DV // BV))
+    args, meta, grid = ((q, k, v, i, f, C, n, m, h, C2, n2, m2, q_scale, k_scale, float(eps), DK, DV),
+                        dict(DK=DKP, DV=DVP, BV=BV), (B * H, _tiles(DV, BV)))
     # a decode step is host-bound: from the second call of a shape, its compiled kernel directly
     _STEP_LAUNCHES.launch((key, q.dtype, q.device, B, H, DK, DV), _KERNELS[key], grid, args, meta, args[:12])
     return h, C2, n2, m2
