@@ -105,3 +105,27 @@ def test_where_names_the_module_when_the_model_is_an_nn_sequential():
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Sequential(nn.Linear(16, 8), nn.ReLU()))
     report = torch_xaccel.explain(model, torch.randn(4, 8))
     assert [r.location for r in report.replacements] == ["Sequential.0 (Linear)", "Sequential.2.0 (Linear)"]
+
+
+def test_report_hints_at_a_cuda_graph_for_decode_steps_called_plainly():
+    """A graph with decode-step ops on CUDA, compiled without CUDA graphs, gets the hint (its
+    token is host-bound); with CUDA graphs (mode="reduce-overhead"), on the CPU, or without step
+    ops, none. Fake CUDA values: no GPU needed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torch_xaccel.backend import plain_decode_steps
+    from torch_xaccel.modes import CUDAGRAPHS
+    from torch_xaccel.report import GraphReport, Replacement, Report
+
+    with FakeTensorMode():
+        on_gpu, on_cpu = [torch.empty(1, 8, device="cuda")], [torch.empty(1, 8)]
+    graph = GraphReport(0, replacements=[Replacement("mlstm", "xaccel.mlstm_step", "recurrent step"),
+                                         Replacement("slstm", "xaccel.slstm_step", "one step"),
+                                         Replacement("headwise", "xaccel.headwise", "per-head map")])
+    assert plain_decode_steps(graph, on_gpu, {}) == 2
+    assert plain_decode_steps(graph, on_gpu, {CUDAGRAPHS: True}) == 0 and plain_decode_steps(graph, on_cpu, {}) == 0
+    prefill = GraphReport(0, replacements=[Replacement("mlstm", "xaccel.mlstm", "parallel form")])
+    assert plain_decode_steps(prefill, on_gpu, {}) == 0
+    graph.plain_decode_steps = 2
+    assert "hint: 2 decode-step op(s) run on CUDA outside a CUDA graph" in str(Report(graphs=[graph]))
+    assert "decode-step" not in str(Report(graphs=[prefill]))

@@ -151,6 +151,15 @@ def _trace_to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphMo
         raise
 
 
+def plain_decode_steps(report, example_inputs, patches: dict) -> int:
+    """The graph's decode-step replacements when it runs on CUDA without CUDA graphs (the
+    report's hint), else 0."""
+    if patches.get(CUDAGRAPHS) or not any(isinstance(t, torch.Tensor) and t.device.type == "cuda"
+                                          for t in example_inputs):
+        return 0
+    return sum(r.op in families.DECODE_OPS for r in report.replacements)
+
+
 def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **options):
     """torch.compile(..., backend="xaccel"[, mode=..., options=...]); see modes.py for the mode."""
     families.install_trace_hooks()  # a library imported after the backend loaded: its next trace
@@ -178,6 +187,7 @@ def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **options):
             raise TensorifyScalarRestartAnalysis  # traced again with those floats as constants
         if cfg.fallback == "eager":  # only the eager fallback leaves them unfused (the report's hint)
             report.eager_pointwise = _pointwise_ops(lowered)
+        report.plain_decode_steps = plain_decode_steps(report, example_inputs, patches)
         if not report.replacements:
             # nothing of ours in the graph: hand the original to the fallback untouched
             if cfg.fallback == "eager" and not patches.get(CUDAGRAPHS):

@@ -38,6 +38,9 @@ class Family:
     onnx: dict[str, str] = field(default_factory=dict)
     # pattern -> the xaccel ops its pass inserts, where they are not just the pattern's name
     emits: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # ops that run one decode step: bound by host time when called outside a CUDA graph (the
+    # report hints at one)
+    decode_ops: tuple[str, ...] = ()
 
     @property
     def patterns(self) -> tuple[str, ...]:
@@ -63,6 +66,7 @@ FAMILIES: tuple[Family, ...] = (
                 "mlstm_step": "torch_xaccel.lowering.mlstm.step:run"},
         ops="torch_xaccel.ops.mlstm",
         emits={"mlstm_step": ("mlstm_step", "mlstm")},  # a loop of steps over a prefill becomes xaccel.mlstm
+        decode_ops=("mlstm_step",),
         providers={"mlstm": "torch_xaccel.codegen.mlstm:forward",
                    "mlstm_with_chunk_states": "torch_xaccel.codegen.mlstm:forward_keeping_states",
                    "mlstm_backward": "torch_xaccel.codegen.mlstm:backward",
@@ -116,6 +120,7 @@ FAMILIES: tuple[Family, ...] = (
                    "slstm_step": "torch_xaccel.codegen.slstm:step"},
         after_passes="torch_xaccel.lowering.slstm.saving:run",
         trace_hooks="torch_xaccel.lowering.slstm.substitutions:register",
+        decode_ops=("slstm_step",),
         onnx={"slstm": "torch_xaccel.ops.slstm.onnx:slstm_function",
               "slstm_step": "torch_xaccel.ops.slstm.onnx:slstm_step_function"},
     ),
@@ -130,6 +135,7 @@ PASS_ORDER: tuple[str, ...] = ("slstm_step", "slstm", "mlstm_step", "mlstm", "he
 
 PATTERNS: tuple[str, ...] = tuple(p for f in FAMILIES for p in f.patterns)  # what XACCEL_PATTERNS accepts
 REPORT_KEYS: tuple[str, ...] = tuple(k for f in FAMILIES for k in f.report_keys)  # counts() keys, in order
+DECODE_OPS: frozenset[str] = frozenset(f"xaccel.{op}" for f in FAMILIES for op in f.decode_ops)  # as reports name them
 
 assert sorted(PASS_ORDER) == sorted(PATTERNS), "PASS_ORDER must list every family's patterns once"
 

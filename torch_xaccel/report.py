@@ -37,6 +37,7 @@ class GraphReport:
     fallback_backend: str = "eager"
     patterns: tuple[str, ...] = ()
     eager_pointwise: int = 0  # pointwise ATen ops left outside the replaced patterns
+    plain_decode_steps: int = 0  # decode-step ops of a CUDA graph module compiled without CUDA graphs
     settings: str = ""  # torch.compile's mode=/options= as applied, for the report (modes.describe)
     generation: int = 0  # Dynamo's reset generation it was compiled in (last_report drops older ones)
 
@@ -77,6 +78,11 @@ class Report:
         if left >= POINTWISE_HINT:
             lines.append(f"  hint: {left} pointwise ops outside the replaced patterns run eagerly, one kernel each; "
                          "XACCEL_FALLBACK=inductor fuses them (faster steps, a longer compile; docs/benchmarks.md)")
+        steps = sum(g.plain_decode_steps for g in self.graphs)
+        if steps:
+            lines.append(f"  hint: {steps} decode-step op(s) run on CUDA outside a CUDA graph; a one-token step is "
+                         "bound by host time there and can be slower than the uncompiled model: replay it from a "
+                         "CUDA graph (mode=\"reduce-overhead\", or a captured step; docs/benchmarks.md)")
         rows = [("replaced", r.family, r.pattern + (f"  [{r.note}]" if r.note else ""), r.location)
                 for r in self.replacements]
         rows += [("fallback", f.family, f.reason, f.location) for f in self.fallbacks]
