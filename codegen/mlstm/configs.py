@@ -167,13 +167,13 @@ def backward_candidates(DK: int, DV: int, itemsize: int = 2, kept: bool = False)
     first, then chunk 16 and SPLIT3, the tuner choosing. fp32 from DQK 256: FP32_BACKWARD."""
     if itemsize > 2 and DK >= 256:
         return fitted(FP32_BACKWARD[min(DK, WIDE_DK)], DK, DV)
-    split = [SPLIT2, SPLIT3, dict(SPLIT3, DVS=128)] if itemsize <= 2 else []
     if DK >= WIDE_DK:
         split = [dict(SPLIT3, DVS=128), SPLIT3] if itemsize <= 2 else []
         if kept:
             return fitted(split, DK, DV)
         base = dict(L=32, BV=64, BK=64, BVS=128, warps=8, stages=2)
         return fitted([base, dict(base, L=16, warps=4)] + split, DK, DV)
+    split = [SPLIT2, SPLIT3, dict(SPLIT3, DVS=128)] if itemsize <= 2 else []
     base = dict(L=64, BV=32, BK=64, BVS=128, warps=8, stages=2)
     return fitted(split + [base, dict(base, warps=4), dict(base, BV=64, DVS=64)], DK, DV)
 

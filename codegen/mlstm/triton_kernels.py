@@ -395,14 +395,8 @@ def step(key, q, k, v, i, f, C, n, m, eps, scale_q=False):
             or B * H * configs.padded(DK) * configs.padded(DV) >= INT32_LIMIT:  # int32 offsets into the state
         return NotImplemented
     q_scale, k_scale = (DK ** -0.5, 1.0) if scale_q else (1.0, DK ** -0.5)
-    return _step(q, k, v, i, f, C, n, m, q_scale, k_scale, eps)
-
-
-def _step(q, k, v, i, f, C, n, m, q_scale, k_scale, eps):
-    """A head dim between the kernels' sizes runs in the tiles of configs.padded, its columns past
-    the true dims masked: no padded copies of q, k, v or the state on a decode's hot path."""
-    B, H, DK = q.shape
-    DV = v.shape[-1]
+    # a head dim between the kernels' sizes runs in the tiles of configs.padded, its columns past
+    # the true dims masked: no padded copies of q, k, v or the state on a decode's hot path
     q, k, v, i, f = (t.contiguous() for t in (q, k, v, i, f))
     C, n, m = (t.float().contiguous() for t in (C, n, m))
     h = torch.empty(B, H, DV, dtype=q.dtype, device=q.device)

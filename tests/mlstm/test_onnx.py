@@ -87,9 +87,8 @@ def test_xlstm_large_native_fuses_as_in_a_compile(tmp_path):
     assert rel_err(onnxruntime_outputs(tmp_path / "xl.onnx", tokens)[0], want) <= 1e-5
 
 
-def test_transformers_xlstm_for_causal_lm_fuses_as_in_a_compile(tmp_path):
-    """transformers' xLSTMForCausalLM (random weights, small config): the export's xaccel nodes
-    equal the compile's counts, and one export with a dynamic batch runs at two batch sizes."""
+def _transformers_logits(chunk: int = 16) -> torch.nn.Module:
+    """transformers' xLSTMForCausalLM (random weights, small config, inference), returning logits."""
     transformers = pytest.importorskip("transformers")
 
     class Logits(torch.nn.Module):
@@ -101,9 +100,15 @@ def test_transformers_xlstm_for_causal_lm_fuses_as_in_a_compile(tmp_path):
             return self.m(tokens).logits
 
     cfg = transformers.xLSTMConfig(vocab_size=97, hidden_size=64, num_heads=2, num_blocks=2, qk_dim_factor=0.5,
-                                   v_dim_factor=1.0, chunk_size=16, mode="inference", use_cache=False)
+                                   v_dim_factor=1.0, chunk_size=chunk, mode="inference", use_cache=False)
     torch.manual_seed(0)
-    model, tokens = Logits(transformers.xLSTMForCausalLM(cfg)).eval(), torch.randint(0, 97, (2, 32))
+    return Logits(transformers.xLSTMForCausalLM(cfg)).eval()
+
+
+def test_transformers_xlstm_for_causal_lm_fuses_as_in_a_compile(tmp_path):
+    """transformers' xLSTMForCausalLM (random weights, small config): the export's xaccel nodes
+    equal the compile's counts, and one export with a dynamic batch runs at two batch sizes."""
+    model, tokens = _transformers_logits(), torch.randint(0, 97, (2, 32))
     path = tmp_path / "hf.onnx"
     res = xonnx.export(model, (tokens,), path, dynamic_shapes=({0: torch.export.Dim("batch")},), report=False)
     torch._dynamo.reset()
@@ -122,21 +127,8 @@ def test_transformers_xlstm_exports_a_sequence_length_that_is_a_multiple_of_its_
     """transformers' xLSTM pads the sequence to a multiple of its chunk size, so torch.export
     cannot keep a free S symbolic: that is a clear error naming the dim and the form to declare.
     Declared as chunk x Dim, one export runs at several lengths and batch sizes."""
-    transformers = pytest.importorskip("transformers")
-
-    class Logits(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, tokens):
-            return self.m(tokens).logits
-
     chunk = 16
-    cfg = transformers.xLSTMConfig(vocab_size=97, hidden_size=64, num_heads=2, num_blocks=2, qk_dim_factor=0.5,
-                                   v_dim_factor=1.0, chunk_size=chunk, mode="inference", use_cache=False)
-    torch.manual_seed(0)
-    model, tokens = Logits(transformers.xLSTMForCausalLM(cfg)).eval(), torch.randint(0, 97, (2, 32))
+    model, tokens = _transformers_logits(chunk), torch.randint(0, 97, (2, 32))
     Dim = torch.export.Dim
     with pytest.raises(ValueError, match=r"cannot keep seq symbolic.*chunk \* torch.export.Dim"):
         xonnx.export(model, (tokens,), tmp_path / "free.onnx", dynamic_shapes=({0: Dim("batch"), 1: Dim("seq")},),

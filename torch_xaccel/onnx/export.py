@@ -66,36 +66,45 @@ def _exported(model, args, kwargs, dynamic_shapes, strict, report):
     def run(strict_mode: bool):
         if strict_mode:
             families.install_trace_hooks()
-        return torch.export.export(model, args, kwargs=kwargs, dynamic_shapes=dynamic_shapes, strict=strict_mode)
+        try:
+            return torch.export.export(model, args, kwargs=kwargs, dynamic_shapes=dynamic_shapes, strict=strict_mode)
+        except Exception as e:
+            unkeepable = _constraint_error(e)
+            if unkeepable is None:
+                raise
+            raise unkeepable from e
     if strict is not None:
-        return _clear_constraint_errors(run, strict)
+        return run(strict)
     try:
         return run(True)
+    except _UnkeepableDim:  # the model's own code: tracing without Dynamo would meet it again
+        raise
     except Exception as e:  # noqa: BLE001 - retried without Dynamo; that failure is the one raised
         first = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
-    ep = _clear_constraint_errors(run, False)
+    ep = run(False)
     report.fallbacks.append(Fallback("backend", f"exported without Dynamo (torch.export non-strict; the library "
                                                 f"substitutions do not apply): Dynamo failed ({first})"))
     return ep
 
 
-def _clear_constraint_errors(run, strict_mode: bool):
-    """run(strict_mode), with torch.export's "Constraints violated" (a dim the caller marked
-    dynamic that the model's own code branches on, e.g. padding a sequence to a multiple of its
-    chunk size) raised as an error that says so and what to declare instead."""
-    try:
-        return run(strict_mode)
-    except Exception as e:
-        text = str(e)
-        if "Constraints violated" not in text:
-            raise
-        dims = re.search(r"Constraints violated \(([^)]*)\)", text)
-        guards = [line.strip(" -") for line in text.splitlines() if "satisfy the generated guard" in line][:2]
-        raise ValueError(
-            f"torch_xaccel.onnx.export: torch.export cannot keep {dims.group(1) if dims else 'a dim'} symbolic: the "
-            f"model's own code branches on it ({'; '.join(guards) or 'see below'}). Declare the dim in the form that "
-            "code needs (for code that pads a sequence to a multiple of its chunk size: "
-            "`chunk * torch.export.Dim('s')`) or leave it static. torch.export said:\n" + text[:3000]) from e
+class _UnkeepableDim(ValueError):
+    """A dynamic dim the model's own code specializes (torch.export's "Constraints violated")."""
+
+
+def _constraint_error(e: Exception) -> ValueError | None:
+    """torch.export's "Constraints violated" (a dim the caller marked dynamic that the model's own
+    code branches on, e.g. padding a sequence to a multiple of its chunk size) as an error that
+    says so and what to declare instead; None for any other failure."""
+    text = str(e)
+    if "Constraints violated" not in text:
+        return None
+    dims = re.search(r"Constraints violated \(([^)]*)\)", text)
+    guards = [line.strip(" -") for line in text.splitlines() if "satisfy the generated guard" in line][:2]
+    return _UnkeepableDim(
+        f"torch_xaccel.onnx.export: torch.export cannot keep {dims.group(1) if dims else 'a dim'} symbolic: the "
+        f"model's own code branches on it ({'; '.join(guards) or 'see below'}). Declare the dim in the form that "
+        "code needs (for code that pads a sequence to a multiple of its chunk size: "
+        "`chunk * torch.export.Dim('s')`) or leave it static. torch.export said:\n" + text[:3000])
 
 
 def _check_translatable(ep) -> None:
