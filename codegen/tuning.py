@@ -9,6 +9,9 @@ still holds) and calls `decide`; what is the same for every family lives here:
   capture (a stored decision, else the untimed choice, and nothing is remembered: a later
   uncaptured call tunes) or with XACCEL_TUNE=0 (a stored decision, else the untimed choice);
 - otherwise the stored decision, or a timing run under the key's lock across processes, stored.
+
+`PlainCalls` applies the same rules to one more question a small op asks: which of its kernel and
+its ATen reference costs less per call when the call runs plainly, outside a CUDA graph.
 """
 from __future__ import annotations
 
@@ -19,11 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from torch_xaccel import config
+from torch_xaccel import config, runtime
 from torch_xaccel.runtime import interpreting
 
 from . import cache
 
+PLAIN_SMALL_ELEMENTS = 1 << 17  # a case this small may be host-bound when called plainly (PlainCalls)
 VERSION = 7  # part of every tuning key: bump when candidate lists or timing methods change
 
 
@@ -201,3 +205,72 @@ def host_ms(fn, calls: int = 20, rounds: int = 3) -> float:
         results.append((time.perf_counter() - t0) * 1e3 / calls)
         torch.cuda.synchronize()
     return sorted(results)[len(results) // 2]
+
+
+def wall_ms(fn, calls: int = 20, rounds: int = 3) -> float:
+    """ms per call of fn called back to back and waited for: host and GPU time together, whichever
+    bounds, as a plain (uncaptured) call in a loop pays them. Median of `rounds`."""
+    fn()
+    torch.cuda.synchronize()
+    results = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        results.append((time.perf_counter() - t0) * 1e3 / calls)
+    return sorted(results)[len(results) // 2]
+
+
+class PlainCalls:
+    """Whether a small op's plain call runs its ATen reference instead of its kernel.
+
+    Called plainly (outside a CUDA-graph capture), a decode-size case is host-bound: the user pays
+    its host and GPU time together, and the reference's few ATen calls can cost the host less than
+    the kernel's launch path, while inside a capture only GPU time counts and the kernel wins. So
+    the first plain call of a case up to PLAIN_SMALL_ELEMENTS times both back to back (wall_ms),
+    under `decide`'s rules (stored per machine and versions, untimed: the kernel), and the faster
+    serves that case's plain calls; a captured call always runs the kernel. Where the reference
+    serves without having been timed here, the kernel still runs once at that first call, so that
+    it is compiled before a capture launches it."""
+
+    def __init__(self, family: str, op: str, digest: str):
+        self.family, self.op, self.digest, self.memo = family, op, digest, {}
+
+    def reference_runs(self, case_key, numel: int, device: torch.device, case: str, kernel, reference) -> bool:
+        """case_key: the dispatch's key; case(): its label for tuning keys and reports (called once
+        per case); kernel() and reference(): one call of each on the case's real arguments."""
+        if numel > PLAIN_SMALL_ELEMENTS or capturing():
+            return False
+        runs = self.memo.get(case_key)
+        if runs is None:
+            runs = self.memo[case_key] = self._decide(case_key, device, case, kernel, reference)
+        if runs:
+            runtime.note_use(case_key)
+        return runs
+
+    def _decide(self, case_key, device, case, kernel, reference) -> bool:
+        timed, case = [], case()
+
+        def tune():
+            kernel_ms, aten_ms = wall_ms(kernel), wall_ms(reference)
+            timed.append(True)
+            return {"config": "aten" if aten_ms < kernel_ms else "kernel",
+                    "timings": [["kernel", round(kernel_ms, 5), "per plain call"],
+                                ["aten", round(aten_ms, 5), "per plain call"]]}
+
+        decision = decide(key(self.family, f"plain|{self.op}|{case}", device, self.digest), untimed="kernel",
+                          valid=lambda e: isinstance(e, dict) and e.get("config") in ("kernel", "aten"), tune=tune)
+        if decision.config != "aten":
+            return False
+        if not timed:
+            kernel()  # compiled now: a later capture launches it
+        ms = {name: t for name, t, _ in decision.entry.get("timings", [])}
+        runtime.record_choice(case_key, self.op, case, "ATen reference when called plainly (host-bound: "
+                              f"{_us(ms.get('aten'))} per call against the kernel's {_us(ms.get('kernel'))}), "
+                              "the kernel inside CUDA graphs")
+        return True
+
+
+def _us(ms) -> str:
+    return "?" if ms is None else f"{ms * 1e3:.0f} us"

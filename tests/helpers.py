@@ -14,6 +14,35 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def plain_and_captured(fn, make_inputs, kernels, name: str):
+    """fn(*inputs) called plainly, then captured in a CUDA graph and replayed on fresh inputs:
+    [(inputs, output) plainly, (inputs, output) replayed], with how often `kernels.<name>` (the
+    family's kernel function, counted by a wrapper) ran inside the capture."""
+    import pytest
+
+    calls = []
+    real = getattr(kernels, name)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, name, lambda *a: (calls.append(torch.cuda.is_current_stream_capturing()), real(*a))[1])
+        plain_in = make_inputs()
+        plain = (plain_in, fn(*plain_in))
+        static = make_inputs()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn(*static)  # warm-up on a side stream, as torch.cuda.graph's users do
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn(*static)
+        fresh = make_inputs()
+        for s_t, f_t in zip(static, fresh):
+            s_t.copy_(f_t)
+        graph.replay()
+        torch.cuda.synchronize()
+    return [plain, (fresh, out.clone())], sum(calls)
+
+
 def _grads(fn, inputs):
     outs = fn(*inputs)
     outs = outs if isinstance(outs, (tuple, list)) else (outs,)

@@ -6,6 +6,7 @@ import os
 import time
 
 import pytest
+import torch
 
 from torch_xaccel.codegen import cache, tuning
 
@@ -118,3 +119,50 @@ def test_precompile_warms_every_candidate_and_never_raises(monkeypatch):
     monkeypatch.setenv("XACCEL_COMPILE_THREADS", "1")  # the user's switch: one after another
     tuning.precompile(["a", "c"], warmup)
     assert warmed == ["a", "b", "c"]
+
+
+def _plain_case(monkeypatch, kernel_ms: float, aten_ms: float):
+    """A PlainCalls with stand-in paths whose plain call costs are `kernel_ms` and `aten_ms`
+    (wall_ms needs a GPU; here it reads the costs), counting each path's runs."""
+    runs = {"kernel": 0, "aten": 0}
+
+    def path(name):
+        def fn():
+            runs[name] += 1
+        fn.cost = kernel_ms if name == "kernel" else aten_ms
+        return fn
+    kernel, reference = path("kernel"), path("aten")
+    monkeypatch.setattr(tuning, "wall_ms", lambda fn: (fn(), fn.cost)[1])
+    monkeypatch.setattr(tuning, "capturing", lambda: False)
+    return tuning.PlainCalls("fam", "op", "digest"), kernel, reference, runs
+
+
+def test_plain_calls_run_the_reference_where_it_costs_less_per_plain_call(monkeypatch):
+    from torch_xaccel import runtime
+
+    plain, kernel, reference, runs = _plain_case(monkeypatch, kernel_ms=0.09, aten_ms=0.03)
+    cpu = torch.device("cpu")
+    assert plain.reference_runs(("k",), 100, cpu, lambda: "case", kernel, reference)
+    assert runs == {"kernel": 1, "aten": 1}  # timed once each
+    assert plain.reference_runs(("k",), 100, cpu, lambda: "case", kernel, reference)
+    assert runs == {"kernel": 1, "aten": 1}  # remembered, not timed again
+    assert "ATen reference when called plainly" in runtime.CHOICES[("k",)][2]
+    assert "30 us" in runtime.CHOICES[("k",)][2] and "90 us" in runtime.CHOICES[("k",)][2]
+    # a large case, or a call inside a CUDA-graph capture, runs the kernel without timing
+    assert not plain.reference_runs(("big",), tuning.PLAIN_SMALL_ELEMENTS + 1, cpu, lambda: "big", kernel, reference)
+    monkeypatch.setattr(tuning, "capturing", lambda: True)
+    assert not plain.reference_runs(("k",), 100, cpu, lambda: "case", kernel, reference)
+    assert runs == {"kernel": 1, "aten": 1}
+
+
+def test_plain_calls_keep_the_kernel_where_it_costs_less_and_warm_it_for_a_stored_reference(monkeypatch):
+    plain, kernel, reference, runs = _plain_case(monkeypatch, kernel_ms=0.02, aten_ms=0.03)
+    cpu = torch.device("cpu")
+    assert not plain.reference_runs(("k",), 100, cpu, lambda: "fast kernel", kernel, reference)
+    # another process finds a stored "aten" decision: it times nothing, and runs the kernel
+    # once, so that a capture later finds it compiled
+    plain, kernel, reference, runs = _plain_case(monkeypatch, kernel_ms=0.09, aten_ms=0.03)
+    assert plain.reference_runs(("k",), 100, cpu, lambda: "slow kernel", kernel, reference)
+    fresh, kernel, reference, runs = _plain_case(monkeypatch, kernel_ms=0.09, aten_ms=0.03)
+    assert fresh.reference_runs(("k",), 100, cpu, lambda: "slow kernel", kernel, reference)
+    assert runs == {"kernel": 1, "aten": 0}

@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 from triton import cdiv, next_power_of_2
 
-from .. import cache
+from torch_xaccel.ops.group_norm import reference
+
+from .. import cache, tuning
 from ..limits import INT32_LIMIT
 from ..render import Templates
 from ..triton_launch import LaunchCache
@@ -23,6 +25,7 @@ TILE = 4096  # elements of a program's [BN, BG] tile
 ROWS = 64  # rows each backward program sums into its partials
 WARPS = 4
 _LAUNCHES = LaunchCache()
+_PLAIN = tuning.PlainCalls("group_norm", "group_norm", TEMPLATES.digest)  # a decode step's plain calls
 
 
 def why_not(x, weight, bias, groups: int) -> str | None:
@@ -47,9 +50,19 @@ def _tiles(C: int, groups: int) -> tuple[int, int, int]:
 
 
 def forward(key, x, weight, bias, groups, eps):
-    """Kernel path for xaccel::group_norm, or NotImplemented."""
+    """Kernel path for xaccel::group_norm, or NotImplemented (also where a plain call of a small
+    case costs less through the reference: tuning.PlainCalls)."""
     if why_not(x, weight, bias, groups) is not None:
         return NotImplemented
+    if _PLAIN.reference_runs(key, x.numel(), x.device, lambda: f"{x.dtype}|x{tuple(x.shape)}|G{groups}",
+                             lambda: kernel_forward(x, weight, bias, groups, eps),
+                             lambda: reference.forward(x, weight, bias, groups, eps)):
+        return NotImplemented
+    return kernel_forward(x, weight, bias, groups, eps)
+
+
+def kernel_forward(x, weight, bias, groups, eps):
+    """The kernel, whichever path a plain call would take (the GPU tests call it)."""
     N, C = x.shape
     y = torch.empty(N, C, dtype=x.dtype, device=x.device)
     if y.numel():

@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 from triton import cdiv, next_power_of_2
 
-from .. import cache
+from torch_xaccel.ops.headwise import reference
+
+from .. import cache, tuning
 from ..limits import INT32_LIMIT
 from ..render import Templates
 from ..triton_launch import LaunchCache
@@ -24,6 +26,7 @@ BLOCK_DIAGONAL = 64  # a program's block-diagonal matrix spans up to this many x
 BM, WARPS = 64, 4  # a forward program's rows
 WGRAD_BM, ROWS, WGRAD_WARPS = 64, 256, 4  # the weight gradient's row tile; rows each program sums
 _LAUNCHES = LaunchCache()  # a projection runs at a few shapes per model: from its second call, directly
+_PLAIN = tuning.PlainCalls("headwise", "headwise", TEMPLATES.digest)  # a decode step's plain calls
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -97,9 +100,18 @@ def _tiles(D: int, DO: int) -> tuple[int, int, int]:
 
 
 def forward(key, x, w):
-    """Kernel path for xaccel::headwise, or NotImplemented."""
+    """Kernel path for xaccel::headwise, or NotImplemented (also where a plain call of a small
+    case costs less through the reference: tuning.PlainCalls)."""
     if why_not(x, w) is not None:
         return NotImplemented
+    if _PLAIN.reference_runs(key, x.numel(), x.device, lambda: f"{x.dtype}|x{tuple(x.shape)}|w{tuple(w.shape)}",
+                             lambda: kernel_forward(x, w), lambda: reference.forward(x, w)):
+        return NotImplemented
+    return kernel_forward(x, w)
+
+
+def kernel_forward(x, w):
+    """The kernel, whichever path a plain call would take (the GPU tests call it)."""
     H, DO, D = w.shape
     x4 = _rows_of(x, H, D)
     B1, S1 = x4.shape[:2]

@@ -20,7 +20,7 @@ def test_kernels_match_reference(dtype, N, C, G, affine):
     b = torch.randn(C, device="cuda").to(dtype) if affine == "both" else None
     dy = torch.randn(N, C, device="cuda").to(dtype)
     d = lambda t: None if t is None else t.double()  # noqa: E731
-    got = k.forward(None, x, w, b, G, 1e-5)
+    got = k.kernel_forward(x, w, b, G, 1e-5)
     assert got is not NotImplemented and got.dtype == dtype
     assert rel_err(got, reference.forward(x.double(), d(w), d(b), G, 1e-5)) <= 1e-2
     dx, dw, db = k.backward(None, dy, x, w, G, 1e-5, b is not None)
@@ -28,3 +28,23 @@ def test_kernels_match_reference(dtype, N, C, G, affine):
     assert rel_err(dx, want[0]) <= 1e-2
     assert w is None or rel_err(dw, want[1]) <= 1e-3
     assert b is None or rel_err(db, want[2]) <= 1e-3
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_decode_size_call_plainly_and_in_a_cuda_graph(rows):
+    """A decode-size head norm called plainly takes whichever of kernel and reference costs less
+    per call (tuning.PlainCalls); inside a CUDA-graph capture the kernel runs. Both agree with the
+    reference."""
+    from tests.helpers import plain_and_captured
+    from torch_xaccel.codegen.group_norm import triton_kernels as k
+
+    torch.manual_seed(rows)
+    w = torch.randn(1536, device="cuda").bfloat16()
+
+    def make_inputs():
+        return ((torch.randn(rows, 1536, device="cuda") * 2 + 0.5).bfloat16(),)
+    results, captured_kernels = plain_and_captured(lambda x: torch.ops.xaccel.group_norm(x, w, None, 4, 1e-5),
+                                                   make_inputs, k, "kernel_forward")
+    for (x,), y in results:
+        assert rel_err(y, reference.forward(x.double(), w.double(), None, 4, 1e-5)) <= 1e-2
+    assert captured_kernels == 1

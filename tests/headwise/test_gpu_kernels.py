@@ -19,11 +19,11 @@ def test_kernels_match_reference(dtype, lead, H, D, DO):
     x = torch.randn(*lead, H, 2 * D, device="cuda")[..., :D].to(dtype)  # a strided view
     w = torch.randn(H, DO, D, device="cuda").to(dtype)
     dy = torch.randn(*lead, H, DO, device="cuda").to(dtype)
-    got = k.forward(None, x, w)
+    got = k.kernel_forward(x, w)
     assert got is not NotImplemented and got.dtype == dtype
     assert rel_err(got, reference.forward(x.double(), w.double())) <= 1e-2
-    assert rel_err(k.forward(None, dy, w.transpose(1, 2)), reference.forward(dy.double(), w.double().transpose(1, 2))) \
-        <= 1e-2
+    dx_want = reference.forward(dy.double(), w.double().transpose(1, 2))
+    assert rel_err(k.kernel_forward(dy, w.transpose(1, 2)), dx_want) <= 1e-2
     assert rel_err(k.weight_grad(None, dy, x), reference.weight_grad(dy.double(), x.double())) <= 1e-2
 
 
@@ -59,3 +59,23 @@ def test_compiled_projection_equals_eager():
         hx, hw = torch.autograd.grad(got.square().sum(), (x, w))
     assert Report(graphs).counts()["headwise"] == 1
     assert rel_err(got, want) <= 1e-5 and rel_err(hx, gx) <= 1e-5 and rel_err(hw, gw) <= 1e-5
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_decode_size_call_plainly_and_in_a_cuda_graph(batch):
+    """A decode-size projection called plainly takes whichever of kernel and reference costs less
+    per call (tuning.PlainCalls); inside a CUDA-graph capture the kernel runs. Both agree with the
+    reference."""
+    from tests.helpers import plain_and_captured
+    from torch_xaccel.codegen.headwise import triton_kernels as k
+
+    torch.manual_seed(batch)
+    w = torch.randn(384, 4, 4, device="cuda").bfloat16()
+
+    def make_inputs():
+        return (torch.randn(batch, 1, 384, 4, device="cuda").bfloat16(),)
+    results, captured_kernels = plain_and_captured(lambda x: torch.ops.xaccel.headwise(x, w), make_inputs, k,
+                                                   "kernel_forward")
+    for (x,), y in results:
+        assert rel_err(y, reference.forward(x.double(), w.double())) <= 1e-2
+    assert captured_kernels == 1

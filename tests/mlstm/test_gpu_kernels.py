@@ -224,7 +224,7 @@ def test_op_forward_and_gradients_through_kernels(dtype, op):
         assert rel_err(got.grad, ref.grad) <= 5e-2
 
 
-@pytest.mark.parametrize("DK,DV", [(128, 128), (256, 512), (512, 512)])
+@pytest.mark.parametrize("DK,DV", [(128, 128), (256, 512), (512, 512), (384, 384), (96, 160)])  # the last two padded
 def test_step_kernel_matches_reference_and_captures_in_a_cuda_graph(DK, DV):
     from torch_xaccel.ops import mlstm
 
