@@ -2,14 +2,15 @@
 # One device call: install (no network there), the whole test suite (CPU + gpu-marked), the demo on
 # CUDA, then the benchmark suite given as arguments (e.g. `gemm --no-max-autotune`). Logs go to $OUT.
 # Env: SKIP_TESTS=1, BENCH_FIRST=1, TEST_TIMEOUT=s, BENCH_TIMEOUT=s, PYTEST_ARGS="-m gpu", XACCEL_COMMIT=<hash> (the device copy has no .git).
-# Anchor wheels: `python3 -m pip download --no-deps -d .whl xlstm==2.0.6 mlstm-kernels==2.0.6 flashrnn==1.0.8`
+# Anchor wheels and the CUTLASS headers (without them the CUTLASS GPU tests skip):
+# `python3 -m pip download --no-deps -d .whl xlstm==2.0.6 mlstm-kernels==2.0.6 flashrnn==1.0.8 nvidia-cutlass==4.2.0.0`
 # here, then name .whl in the device call's carry.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XACCEL_CACHE_DIR=${XACCEL_CACHE_DIR:-/tmp/xaccel-cache}
 # at most 8 files come back from a device call: installs and versions share setup.log
 python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/setup.log" 2>&1 || { echo "pip install failed:"; tail -25 "$OUT/setup.log"; }
-# anchors' pure-Python wheels (xlstm, mlstm-kernels, flashrnn), when the call carries .whl
+# pure-Python wheels (xlstm, mlstm-kernels, flashrnn, nvidia-cutlass), when the call carries .whl
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >> "$OUT/setup.log" 2>&1 && export PYTHONPATH=/tmp/site
 fi
