@@ -389,11 +389,10 @@ def step(key, q, k, v, i, f, C, n, m, eps, scale_q=False):
     synchronisation, outputs allocated by the caching allocator)."""
     B, H, DK = q.shape
     DV = v.shape[-1]
-    if q.dtype == torch.bfloat16 and interpreting():
-        return NotImplemented  # Triton's interpreter computes bf16 dots wrongly: the reference runs
-    if _uncovered(q.dtype, k.dtype, v.dtype, DK, DV) \
-            or B * H * configs.padded(DK) * configs.padded(DV) >= INT32_LIMIT:  # int32 offsets into the state
+    plan = _step_plan(q.dtype, k.dtype, v.dtype, B, H, DK, DV)
+    if plan is None:
         return NotImplemented
+    launch_key, kernel, meta, grid = plan
     q_scale, k_scale = (DK ** -0.5, 1.0) if scale_q else (1.0, DK ** -0.5)
     # a head dim between the kernels' sizes runs in the tiles of configs.padded, its columns past
     # the true dims masked: no padded copies of q, k, v or the state on a decode's hot path
@@ -401,21 +400,40 @@ def step(key, q, k, v, i, f, C, n, m, eps, scale_q=False):
     C, n, m = (t.float().contiguous() for t in (C, n, m))
     h = torch.empty(B, H, DV, dtype=q.dtype, device=q.device)
     C2, n2, m2 = torch.empty_like(C), torch.empty_like(n), torch.empty_like(m)
-    DKP, DVP = configs.padded(DK), configs.padded(DV)
-    BV = min(DVP, 64)
-    key = ("step", interpreting())
-    if key not in _KERNELS:
-        name = "mlstm_step_" + hashlib.sha256(b"mlstm_step|v3").hexdigest()[:12]
-        src = TEMPLATES.render("mlstm_step.py.jinja", kernel_name=name)
-        _KERNELS[key] = getattr(cache.load_source(name, src), name)
     # eps as a float: the compiled kernel's argument type must not depend on how a caller spelled it
-    args, meta, grid = ((q, k, v, i, f, C, n, m, h, C2, n2, m2, q_scale, k_scale, float(eps), DK, DV),
-                        dict(DK=DKP, DV=DVP, BV=BV), (B * H, _tiles(DV, BV)))
+    args = (q, k, v, i, f, C, n, m, h, C2, n2, m2, q_scale, k_scale, float(eps), DK, DV)
     # a decode step is host-bound: from the second call of a shape, its compiled kernel directly
-    _STEP_LAUNCHES.launch((key, q.dtype, q.device, B, H, DK, DV), _KERNELS[key], grid, args, meta, args[:12])
+    _STEP_LAUNCHES.launch((launch_key, q.dtype, q.device, B, H, DK, DV), kernel, grid, args, meta, args[:12])
     return h, C2, n2, m2
 
 
+def _step_plan(q_dtype, k_dtype, v_dtype, B: int, H: int, DK: int, DV: int):
+    """(kernel key, kernel, constexprs, grid) for a step case, or None where the kernel does not take it;
+    remembered per case, since a decode calls one case per layer every token."""
+    case = (q_dtype, k_dtype, v_dtype, B, H, DK, DV, interpreting())
+    plan = _STEP_PLANS.get(case, False)
+    if plan is not False:
+        return plan
+    plan = None
+    if not (q_dtype == torch.bfloat16 and interpreting()) \
+            and not _uncovered(q_dtype, k_dtype, v_dtype, DK, DV) \
+            and B * H * configs.padded(DK) * configs.padded(DV) < INT32_LIMIT:  # int32 offsets into the state
+        # (Triton's interpreter computes bf16 dots wrongly: the reference runs there)
+        key = ("step", interpreting())
+        if key not in _KERNELS:
+            name = "mlstm_step_" + hashlib.sha256(b"mlstm_step|v3").hexdigest()[:12]
+            src = TEMPLATES.render("mlstm_step.py.jinja", kernel_name=name)
+            _KERNELS[key] = getattr(cache.load_source(name, src), name)
+        DKP, DVP = configs.padded(DK), configs.padded(DV)
+        BV = min(DVP, 64)
+        plan = (key, _KERNELS[key], dict(DK=DKP, DV=DVP, BV=BV), (B * H, _tiles(DV, BV)))
+    if len(_STEP_PLANS) >= 1024:
+        _STEP_PLANS.clear()
+    _STEP_PLANS[case] = plan
+    return plan
+
+
+_STEP_PLANS: dict = {}
 _STEP_LAUNCHES = LaunchCache()  # keyed by (kernel key, dtype, device, B, H, DK, DV)
 
 

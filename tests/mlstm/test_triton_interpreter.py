@@ -154,6 +154,14 @@ PADDED_SCRIPT = textwrap.dedent("""
             errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want)]
             bad += not all(e <= 1e-5 for e in errs) or any(tuple(g.shape) != tuple(w.shape) for g, w in zip(got, want))
             print("step", (B, H, DK, DV), scale_q, " ".join(f"{e:.1e}" for e in errs))
+    B, H, DK, DV = 1, 2, 24, 96  # the step over two 64-column tiles of v, the second one masked
+    sx = [torch.randn(B, H, DK), torch.randn(B, H, DK), torch.randn(B, H, DV), torch.randn(B, H),
+          torch.randn(B, H) + 2, torch.randn(B, H, DK, DV) * .1, torch.randn(B, H, DK) * .1, torch.randn(B, H)]
+    got = mlstm_triton.step(None, *sx, 1e-6, False)
+    want = mlstm.reference.step(*(t.double() for t in sx))
+    errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want)]
+    bad += not all(e <= 1e-5 for e in errs) or any(tuple(g.shape) != tuple(w.shape) for g, w in zip(got, want))
+    print("step", (B, H, DK, DV), " ".join(f"{e:.1e}" for e in errs))
     raise SystemExit(bad)
 """)
 
@@ -161,9 +169,9 @@ PADDED_SCRIPT = textwrap.dedent("""
 def test_head_dims_between_kernel_sizes_run_zero_padded_in_interpreter(tmp_path):
     """Head dims the templates do not take (24, 40) run at the next size (32, 64) with zero
     columns and the true DK^-0.5: forward with and without a state, backward, step, each against
-    the fp64 reference with the op's own shapes."""
+    the fp64 reference with the op's own shapes; the step also at a DV of two column tiles."""
     out = interpret(PADDED_SCRIPT, tmp_path)
-    assert out.count("\n") == 12, out
+    assert out.count("\n") == 13, out
 
 
 PADDED_MODEL_SCRIPT = textwrap.dedent("""
