@@ -148,6 +148,27 @@ def static_shape(node) -> tuple | None:
     return tuple(v.shape)
 
 
+def size_hint(size) -> int | None:
+    """A size as an int: its value, or a symbolic size's example value (None: unbacked)."""
+    return size if isinstance(size, int) else getattr(size.node, "hint", None)
+
+
+def example_shape(node) -> tuple | None:
+    """The node's shape at the example sizes the graph was traced with (symbolic sizes as their
+    example values): the sizes the layouts are measured and proven at."""
+    v = val(node)
+    if not isinstance(v, torch.Tensor):
+        return None
+    hints = tuple(size_hint(s) for s in v.shape)
+    return None if None in hints else hints
+
+
+def is_size(node) -> bool:
+    """A node computing a symbolic size (x.shape[0] under dynamic shapes): an integer the step
+    reads for its views, not a tensor root; measuring and proving run it at its example value."""
+    return isinstance(node, Node) and isinstance(val(node), torch.SymInt)
+
+
 # ---- 1. the elementwise core -------------------------------------------------------------------
 
 @dataclass(eq=False)
@@ -327,7 +348,7 @@ def _roots(pre: set, h: Node, order) -> tuple[list, set]:
     roots, views = [], set()
     for n in sorted(pre, key=order.__getitem__):
         for a in n.all_input_nodes:
-            if a in pre or a is h or a in views:
+            if a in pre or a is h or a in views or is_size(a):
                 continue
             r = a
             while (src := _viewed(r)) is not None:
@@ -368,10 +389,10 @@ def build_cell(core: Core, h_old: Node, order) -> Cell:
     update, consts = _core_region(core, h_old, order)
     pre_nodes = sorted(pre | views, key=order.__getitem__)
     region = sorted(set(pre_nodes) | update, key=order.__getitem__)
-    shape = static_shape(core.new["h"])
+    shape = example_shape(core.new["h"])
     cell = Cell(core, h_old, region, roots, consts, pre_nodes, shape)
     known = set(region) | set(cell.inputs)
-    stray = [a.name for n in region for a in n.all_input_nodes if a not in known]
+    stray = [a.name for n in region for a in n.all_input_nodes if a not in known and not is_size(a)]
     if stray:
         raise NoMatch(f"the step reads {stray[0]} from outside", 5)
     return cell
@@ -380,7 +401,7 @@ def build_cell(core: Core, h_old: Node, order) -> Cell:
 def h_candidates(core: Core, order) -> list:
     """Nodes that may be the old h: tensors of the states' shape from which the gates are reached
     by linear ops, nearest first."""
-    shape = static_shape(core.new["h"])
+    shape = example_shape(core.new["h"])
     seen, out, frontier = set(core.gates.values()), [], list(core.gates.values())
     while frontier:
         nxt = []
@@ -389,7 +410,7 @@ def h_candidates(core: Core, order) -> list:
                 if a in seen:
                     continue
                 seen.add(a)
-                if static_shape(a) == shape and a not in out:
+                if example_shape(a) == shape and a not in out:
                     out.append(a)
                 nxt.append(a)
         frontier = nxt
@@ -406,11 +427,20 @@ def escapes(cell: Cell, allowed: set) -> list:
 
 # ---- extraction ---------------------------------------------------------------------------------
 
-def extract(nodes, inputs, outputs, strip_casts=False) -> torch.fx.GraphModule:
+def extract(nodes, inputs, outputs, strip_casts=False, batch: int | None = None) -> torch.fx.GraphModule:
     """The nodes as a callable of `inputs` (one argument each, duplicates allowed) returning
-    `outputs`. strip_casts: float-to-float casts become identities (for float64 probes)."""
+    `outputs`. strip_casts: float-to-float casts become identities (for float64 probes). The
+    symbolic sizes the nodes read become ints: their example values, or `batch` for a symbolic
+    batch size (see loops.BatchSize)."""
     g = torch.fx.Graph()
     env = {}
+
+    def arg(a):
+        if a in env:
+            return env[a]
+        if is_size(a):
+            return batch if batch is not None else size_hint(val(a))
+        raise KeyError(a)
     for k, x in enumerate(inputs):
         p = g.placeholder(f"in{k}")
         env.setdefault(x, p)
@@ -421,7 +451,7 @@ def extract(nodes, inputs, outputs, strip_casts=False) -> torch.fx.GraphModule:
                 and val(n.args[0]).is_floating_point():
             env[n] = env[n.args[0]]
             continue
-        env[n] = g.node_copy(n, lambda a: env[a])
+        env[n] = g.node_copy(n, arg)
     g.output(tuple(env[o] for o in outputs))
     return torch.fx.GraphModule(torch.nn.Module(), g)
 
@@ -430,14 +460,21 @@ def extract(nodes, inputs, outputs, strip_casts=False) -> torch.fx.GraphModule:
 
 class Plan:
     """How one of the op's tensors is made from the roots (indices into a list of root tensors):
-    run on real tensors for the proof, emitted as graph nodes for the rewrite."""
+    run on real tensors for the proof, emitted as graph nodes for the rewrite. `batch`: the size
+    of the op's batch axis (axis 0 of Wx and the states) where it is symbolic, an int to run at
+    or a graph node to emit with; None keeps the measured size."""
     shape: tuple
 
-    def run(self, vals, like):
+    def run(self, vals, like, batch=None):
         raise NotImplementedError
 
-    def emit(self, em, nodes, like):
+    def emit(self, em, nodes, like, batch=None):
         raise NotImplementedError
+
+
+def _with_batch(sizes, axes, batch) -> list:
+    """sizes (one per op axis in `axes`) with the batch axis's size replaced by `batch`."""
+    return [batch if batch is not None and a == 0 else n for a, n in zip(axes, sizes)]
 
 
 @dataclass
@@ -450,19 +487,27 @@ class View(Plan):
     strides: tuple
     offset: int = 0
 
-    def ops(self) -> list:
+    def packed_order(self) -> list | None:
+        """The op axes of size > 1 read from the root, outermost first, where the map is a
+        reshape + permute of the whole root (else None: as_strided)."""
         real = [a for a, n in enumerate(self.shape) if n > 1 and self.strides[a] != 0]
-        numel = math.prod(self.root_shape)
         order = sorted(real, key=lambda a: -self.strides[a])
         sizes = [self.shape[a] for a in order]
-        packed = (self.offset == 0 and math.prod(sizes) == numel
+        packed = (self.offset == 0 and math.prod(sizes) == math.prod(self.root_shape)
                   and all(self.strides[order[k]] == self.strides[order[k + 1]] * sizes[k + 1]
                           for k in range(len(order) - 1))
                   and (not order or self.strides[order[-1]] == 1))
+        return order if packed else None
+
+    def ops(self, batch=None) -> list:
+        real = [a for a, n in enumerate(self.shape) if n > 1 and self.strides[a] != 0]
+        numel = math.prod(self.root_shape)
+        order = self.packed_order()
         ops = []
-        if packed:
-            if list(self.root_shape) != sizes:
-                ops.append((aten.reshape.default, (sizes,)))
+        if order is not None:
+            sizes = [self.shape[a] for a in order]
+            if batch is not None or list(self.root_shape) != sizes:
+                ops.append((aten.reshape.default, (_with_batch(sizes, order, batch),)))
             perm = [order.index(a) for a in real]
             if perm != sorted(perm):
                 ops.append((aten.permute.default, (perm,)))
@@ -471,22 +516,23 @@ class View(Plan):
             if self.offset:
                 ops.append((aten.slice.Tensor, (0, self.offset, numel)))
             ops.append((aten.as_strided.default, ([self.shape[a] for a in real], [self.strides[a] for a in real])))
+        axes = range(len(self.shape))
         full = [n if a in real else 1 for a, n in enumerate(self.shape)]
-        if full != [self.shape[a] for a in real]:
-            ops.append((aten.reshape.default, (full,)))
+        if batch is not None or full != [self.shape[a] for a in real]:
+            ops.append((aten.reshape.default, (_with_batch(full, axes, batch if 0 in real else None),)))
         if full != list(self.shape):
-            ops.append((aten.expand.default, (list(self.shape),)))
+            ops.append((aten.expand.default, (_with_batch(self.shape, axes, batch),)))
         return ops
 
-    def run(self, vals, like):
+    def run(self, vals, like, batch=None):
         x = vals[self.root]
-        for op, args in self.ops():
+        for op, args in self.ops(batch):
             x = op(x, *args)
         return x
 
-    def emit(self, em, nodes, like):
+    def emit(self, em, nodes, like, batch=None):
         x = nodes[self.root]
-        for op, args in self.ops():
+        for op, args in self.ops(batch):
             x = em(op, x, *args)
         return x
 
@@ -502,23 +548,24 @@ class Stack(Plan):
         s.insert(self.axis, len(self.parts))
         return tuple(s)
 
-    def run(self, vals, like):
-        return torch.stack([p.run(vals, like) for p in self.parts], self.axis)
+    def run(self, vals, like, batch=None):
+        return torch.stack([p.run(vals, like, batch) for p in self.parts], self.axis)
 
-    def emit(self, em, nodes, like):
-        return em(aten.stack.default, [p.emit(em, nodes, like) for p in self.parts], self.axis)
+    def emit(self, em, nodes, like, batch=None):
+        return em(aten.stack.default, [p.emit(em, nodes, like, batch) for p in self.parts], self.axis)
 
 
 @dataclass
 class Zeros(Plan):
     shape: tuple
 
-    def run(self, vals, like):
-        return like.new_zeros(self.shape)
+    def run(self, vals, like, batch=None):
+        return like.new_zeros(_with_batch(self.shape, range(len(self.shape)), batch))
 
-    def emit(self, em, nodes, like):
+    def emit(self, em, nodes, like, batch=None):
         v = val(like)
-        return em(aten.zeros.default, list(self.shape), dtype=v.dtype, device=v.device)
+        return em(aten.zeros.default, _with_batch(self.shape, range(len(self.shape)), batch), dtype=v.dtype,
+                  device=v.device)
 
 
 @dataclass
@@ -529,17 +576,24 @@ class Sum(Plan):
     def shape(self):
         return self.parts[0].shape
 
-    def run(self, vals, like):
-        out = self.parts[0].run(vals, like)
+    def run(self, vals, like, batch=None):
+        out = self.parts[0].run(vals, like, batch)
         for p in self.parts[1:]:
-            out = out + p.run(vals, like)
+            out = out + p.run(vals, like, batch)
         return out
 
-    def emit(self, em, nodes, like):
-        out = self.parts[0].emit(em, nodes, like)
+    def emit(self, em, nodes, like, batch=None):
+        out = self.parts[0].emit(em, nodes, like, batch)
         for p in self.parts[1:]:
-            out = em(aten.add.Tensor, out, p.emit(em, nodes, like))
+            out = em(aten.add.Tensor, out, p.emit(em, nodes, like, batch))
         return out
+
+
+def views(plan: Plan) -> list:
+    """The plan's View leaves."""
+    if isinstance(plan, View):
+        return [plan]
+    return [v for p in getattr(plan, "parts", ()) for v in views(p)]
 
 
 def rebind(plan: Plan, fn) -> Plan:
@@ -642,38 +696,43 @@ class StateMap:
     def op_shape(self):
         return (self.B, self.NH, self.D)
 
-    def _to_op(self):
-        """(op, args(leading sizes)) steps from [*lead, *S] to [*lead, B, NH, D]."""
-        sizes = [self.op_shape[a] for a in self.packed]
+    def _to_op(self, batch=None):
+        """(op, args(leading sizes)) steps from [*lead, *S] to [*lead, B, NH, D]; `batch`: the
+        batch size where it is symbolic (the user's dim 0 then, see loops.BatchSize)."""
+        sizes = _with_batch([self.op_shape[a] for a in self.packed], self.packed, batch)
+        op_shape = _with_batch(self.op_shape, range(3), batch)
         real = sorted(self.packed)
         perm = [self.packed.index(a) for a in real]
         ops = [(aten.reshape.default, lambda p: ([*p, *sizes],))]
         if perm != sorted(perm):
             ops.append((aten.permute.default, lambda p: ([*range(len(p)), *[len(p) + q for q in perm]],)))
-        ops.append((aten.reshape.default, lambda p: ([*p, *self.op_shape],)))
+        ops.append((aten.reshape.default, lambda p: ([*p, *op_shape],)))
         return ops
 
-    def _to_user(self):
+    def _to_user(self, batch=None):
         """The inverse steps, [*lead, B, NH, D] -> [*lead, *S]."""
         real = sorted(self.packed)
         inv = [real.index(a) for a in self.packed]
-        ops = [(aten.reshape.default, lambda p: ([*p, *[self.op_shape[a] for a in real]],))]
+        sizes = _with_batch([self.op_shape[a] for a in real], real, batch)
+        S = [batch if batch is not None and k == 0 else n for k, n in enumerate(self.S)]
+        ops = [(aten.reshape.default, lambda p: ([*p, *sizes],))]
         if inv != sorted(inv):
             ops.append((aten.permute.default, lambda p: ([*range(len(p)), *[len(p) + q for q in inv]],)))
-        ops.append((aten.reshape.default, lambda p: ([*p, *self.S],)))
+        ops.append((aten.reshape.default, lambda p: ([*p, *S],)))
         return ops
 
-    def run(self, x, to_op: bool):
+    def run(self, x, to_op: bool, batch=None):
         lead = list(x.shape[:x.dim() - (len(self.S) if to_op else 3)])
-        for op, args in (self._to_op if to_op else self._to_user)():
+        for op, args in (self._to_op if to_op else self._to_user)(batch):
             x = op(x, *args(lead))
         return x
 
-    def emit(self, em, x, to_op: bool, lead=()):
-        """The same as graph nodes (reshapes that change nothing left out)."""
+    def emit(self, em, x, to_op: bool, lead=(), batch=None):
+        """The same as graph nodes (reshapes that change nothing left out where every size is
+        known)."""
         lead = list(lead)
-        for op, args in (self._to_op if to_op else self._to_user)():
-            if op is aten.reshape.default and list(val(x).shape) == args(lead)[0]:
+        for op, args in (self._to_op if to_op else self._to_user)(batch):
+            if op is aten.reshape.default and batch is None and list(val(x).shape) == args(lead)[0]:
                 continue
             x = em(op, x, *args(lead))
         return x
@@ -734,7 +793,7 @@ def measure(cell: Cell) -> Layout:
     fn = _probe_fn(cell)
     S = cell.shape
     N = math.prod(S)
-    shapes = [static_shape(r) for r in cell.roots]
+    shapes = [example_shape(r) for r in cell.roots]
     if any(s is None for s in shapes) or any(not val(r).is_floating_point() for r in cell.roots):
         raise Refused("the step reads a tensor that is not a float tensor of static shape")
     f64 = dict(dtype=torch.float64)
@@ -865,7 +924,7 @@ def additive_tables(cell: Cell, layout: Layout, fn=None) -> dict:
     each gate position (rid = j, idx its flat index; -1 nothing), by one index-coded probe."""
     fn = fn or _probe_fn(cell)
     S = cell.shape
-    shapes = [static_shape(r) for r in cell.roots]
+    shapes = [example_shape(r) for r in cell.roots]
     pos = layout.state.run(torch.arange(math.prod(S)).reshape(S), to_op=True)
     zeros = [torch.zeros(s, dtype=torch.float64) for s in shapes]
     out = {}
@@ -978,7 +1037,7 @@ def random_roots(cell: Cell, layout: Layout, gen, dtype) -> list:
     D = layout.state.D
     out = []
     for j, r in enumerate([*cell.roots, *cell.consts]):
-        s = static_shape(r) or ()
+        s = example_shape(r) or ()
         v = val(r)
         t = torch.randn(s, generator=gen, dtype=dtype if v.is_floating_point() else torch.float32)
         out.append((t / math.sqrt(D) if j in layout.recurrent else t).to(v.dtype))

@@ -19,9 +19,16 @@ viewed back to the user's layout: every h_t the graph reads, a torch.stack of al
 the final c, n, m. Per-step inputs computed inside the loop move ahead of it. A loop of one step
 is no chain (step.py takes it); steps whose inputs depend on earlier outputs (decoding) are not
 a sequence either: step.py replaces them one by one.
+
+A symbolic batch size (BatchSize) is the one symbolic size allowed, and only as the leading dim of
+the step's inputs: the layouts are measured at its example value, must put the batch outermost in
+every root they read (`_check_batch_layouts`: a reshape and permutation stays one at any batch
+size, as_strided would not), are proven at the example value and at one more, and the op's views
+take the size from a root at run time.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass
@@ -147,7 +154,7 @@ def _align(a: C.Cell, b: C.Cell) -> dict | None:
         slots_b.setdefault(x, set()).add(j)
     diffs = {}
     for k, (x, y) in enumerate(zip(a.region, b.region)):
-        if x.op != y.op or x.target != y.target or C.static_shape(x) != C.static_shape(y):
+        if x.op != y.op or x.target != y.target or C.example_shape(x) != C.example_shape(y):
             return None
         fa, sa = pytree.tree_flatten((x.args, x.kwargs))
         fb, sb = pytree.tree_flatten((y.args, y.kwargs))
@@ -222,6 +229,85 @@ def collapse(gm: torch.fx.GraphModule, ctx) -> None:
 
 
 @dataclass
+class BatchSize:
+    """The loop's symbolic batch size (dynamic shapes): the one symbolic size of its tensors, each
+    tensor's leading dim where it has it. The layouts are measured and proven at its example
+    value and again at another (BATCH_PROOF); the op is emitted with the size read from a root."""
+    symbol: object  # the sympy symbol
+    hint: int
+
+
+BATCH_PROOF = 1  # the second batch size is the example's plus this
+
+
+def _batch_size(chain) -> BatchSize | None:
+    """None where every size is static; else the batch size, or Refused where the symbolic sizes
+    are more than one batch size that leads every input of the step (the layouts are measured at
+    one size). Inside the step a tensor may hold it anywhere (the proof runs at two values)."""
+    cells = chain.cells
+    inputs = [n for c in cells for n in c.inputs]
+    inside = [n for c in cells for n in c.region]
+    sizes = [a for n in inside for a in n.all_input_nodes if C.is_size(a)]
+    symbols, hint = set(), None
+    for n in [*inputs, *inside, *sizes]:
+        for k, d in enumerate(_dims(n)):
+            if isinstance(d, int):
+                continue
+            symbols |= d.node.expr.free_symbols
+            if n in inputs and (k or not d.node.expr.is_Symbol):
+                raise Refused(f"dynamic shapes: the step's input {n.name} has the symbolic size {d} at dim {k} (only "
+                              "a leading batch dim may be symbolic; compile with dynamic=False or mark the other sizes "
+                              "static)")
+            if d.node.expr.is_Symbol:
+                hint = C.size_hint(d)
+    if not symbols:
+        return None
+    if len(symbols) > 1:
+        raise Refused(f"dynamic shapes: {len(symbols)} symbolic sizes ({', '.join(sorted(map(str, symbols)))}); "
+                      "only one batch size may be symbolic")
+    if hint is None or hint < 2:
+        raise Refused("dynamic shapes: the symbolic batch size has no example value of 2 or more")
+    return BatchSize(next(iter(symbols)), hint)
+
+
+def _dims(n) -> list:
+    v = val(n)
+    return list(v.shape) if isinstance(v, torch.Tensor) else [v] if isinstance(v, torch.SymInt) else []
+
+
+def _leads_with(node, batch: BatchSize) -> bool:
+    v = val(node)
+    return isinstance(v, torch.Tensor) and v.dim() > 0 and not isinstance(v.shape[0], int) \
+        and v.shape[0].node.expr == batch.symbol
+
+
+def _check_batch_layouts(chain, layout, ins, batch: BatchSize) -> None:
+    """With a symbolic batch size, the measured layouts must hold at every batch size: the op's
+    batch axis is the outermost dim of the states and of every root it reads (a reshape and
+    permutation of the root, batch first), and R and b do not depend on it."""
+    state = layout.state
+    h = chain.cells[0].core.new["h"]
+    if state.B != batch.hint or not _leads_with(h, batch) or (state.packed and state.packed[0] != 0):
+        raise Refused("dynamic shapes: the states' batch rows are not their leading dim")
+    for v in C.views(ins.Wx):
+        root = ins.roots[v.root]
+        if v.strides[0] == 0:
+            if not _static(root):
+                raise Refused("dynamic shapes: an input broadcast over the batch has a symbolic size")
+            continue
+        order = v.packed_order()
+        if order is None or order[0] != 0 or not _leads_with(root, batch):
+            raise Refused(f"dynamic shapes: Wx is read from {root.name} other than batch row by batch row")
+    for plan in (ins.R, ins.b):
+        if any(not _static(ins.roots[v.root]) for v in C.views(plan)):
+            raise Refused("dynamic shapes: R or b has a symbolic size")
+
+
+def _static(node) -> bool:
+    return C.static_shape(node) is not None
+
+
+@dataclass
 class _Inputs:
     roots: list  # the op's root tensors (nodes): shared ones, then each step's own
     slot: dict  # (step, root slot) -> index in roots
@@ -238,10 +324,6 @@ def _check(graph, chain, training: bool) -> None:
     if tie:
         raise Refused(tie)
     T = len(cells)
-    tensors = [n for c in cells for n in (*c.region, *c.inputs) if isinstance(val(n), torch.Tensor)]
-    if any(c.shape is None for c in cells) or any(C.static_shape(n) is None for n in tensors):
-        raise Refused("dynamic shapes (the layouts are measured at one size; compile with dynamic=False "
-                      "or mark the sizes static)")
     dtype = val(cells[0].core.new["h"]).dtype
     floats = [n for c in cells for n in (*c.core.new.values(), *c.roots)]
     if dtype not in (torch.float32, torch.float64) or any(val(n).dtype != dtype for n in floats):
@@ -299,13 +381,13 @@ def _additive_plans(chain, layout, tables, probed, roots, slot) -> tuple:
     time (its stride per step measured); one that does not and is the same for every batch row is
     the bias; per-step inputs are stacked over time."""
     cells, T, shared = chain.cells, len(chain.cells), chain.shared
-    shapes = {g: C.static_shape(r) for g, r in enumerate(roots)}
+    shapes = {g: C.example_shape(r) for g, r in enumerate(roots)}
     moving, biases, parts, stride = [], [], [], {}
     for j, (rid0, idx0) in tables[0].items():
         if not shared[j]:
             if any(not torch.equal(tables[k][j][1], idx0) for k in probed):
                 raise Refused("a per-step input enters the gates differently at different steps")
-            p = C.plan_of([(torch.where(rid0 >= 0, 0, -1), idx0)], {0: C.static_shape(cells[0].roots[j])}, [1, 2])
+            p = C.plan_of([(torch.where(rid0 >= 0, 0, -1), idx0)], {0: C.example_shape(cells[0].roots[j])}, [1, 2])
             if p is None:
                 raise Refused("a per-step input's layout is not a view")
             parts.append(C.Stack(1, [C.rebind(p, lambda _, k=k: slot[(k, j)]) for k in range(T)]))
@@ -347,35 +429,43 @@ def _time_stride(tables, j, probed) -> int:
     return sigma
 
 
-def _prove(chain, layout, ins: _Inputs, probed) -> tuple:
-    """The variant every probed step agrees with, or Refused naming the step that does not."""
+def _prove(chain, layout, ins: _Inputs, probed, batch: BatchSize | None = None) -> tuple:
+    """The variant every probed step agrees with, or Refused naming the step that does not. With a
+    symbolic batch size, at its example value and at another."""
     agree, evidence = list(C.VARIANTS), False
     dtype = val(chain.cells[0].core.new["h"]).dtype
     rec = {ins.slot[(0, j)] for j in layout.recurrent}
-    for k in probed:
-        c = chain.cells[k]
-        olds = c.inputs[:4]
-        distinct = len({id(x) for x in olds}) == 4
-        if not distinct and not all(C.is_zeros(x) for x in olds):
-            raise Refused(f"step {k + 1}'s states are one tensor")
-        fn = C.extract(c.region, c.inputs, [c.core.new[r] for r in "hcnm"])
+    for at in [None] if batch is None else [None, batch.hint + BATCH_PROOF]:
+        state = layout.state if at is None else dataclasses.replace(layout.state, S=(at, *layout.state.S[1:]), B=at)
+        for k in probed:
+            c = chain.cells[k]
+            olds = c.inputs[:4]
+            distinct = len({id(x) for x in olds}) == 4
+            if not distinct and not all(C.is_zeros(x) for x in olds):
+                raise Refused(f"step {k + 1}'s states are one tensor")
+            fn = C.extract(c.region, c.inputs, [c.core.new[r] for r in "hcnm"], batch=at)
 
-        def make_inputs(gen, k=k, c=c):
-            vals = [torch.randn(C.static_shape(r), generator=gen, dtype=dtype) for r in ins.roots]
-            vals = [v / layout.state.D ** 0.5 if g in rec else v for g, v in enumerate(vals)]
-            mine = [vals[ins.slot[(k, j)]] for j in range(len(c.roots))]
-            consts = [torch.randn(C.static_shape(x) or (), generator=gen).to(val(x).dtype) for x in c.consts]
-            like = vals[0]
-            return [*mine, *consts], ins.Wx.run(vals, like)[:, k], ins.R.run(vals, like), ins.b.run(vals, like)
+            def shape(node, at=at):
+                s = C.example_shape(node) or ()
+                return (at, *s[1:]) if at is not None and _leads_with(node, batch) else s
 
-        proof = C.prove(fn, layout.state, dtype, make_inputs, zero_states=not distinct)
-        if not proof.agree:
-            raise Refused(f"step {k + 1} differs from every sLSTM variant (max rel err {proof.err:.1e})")
-        if not [v for v in agree if v in proof.agree]:
-            raise Refused(f"step {k + 1} agrees with {C.describe(proof.agree[0])}, the steps before with "
-                          f"{C.describe(agree[0])}")
-        agree = [v for v in agree if v in proof.agree]
-        evidence = evidence or distinct
+            def make_inputs(gen, k=k, c=c, at=at, shape=shape):
+                vals = [torch.randn(shape(r), generator=gen, dtype=dtype) for r in ins.roots]
+                vals = [v / layout.state.D ** 0.5 if g in rec else v for g, v in enumerate(vals)]
+                mine = [vals[ins.slot[(k, j)]] for j in range(len(c.roots))]
+                consts = [torch.randn(shape(x), generator=gen).to(val(x).dtype) for x in c.consts]
+                like = vals[0]
+                return [*mine, *consts], ins.Wx.run(vals, like, at)[:, k], ins.R.run(vals, like), ins.b.run(vals, like)
+
+            proof = C.prove(fn, state, dtype, make_inputs, zero_states=not distinct)
+            where = "" if at is None else f" at batch size {at}"
+            if not proof.agree:
+                raise Refused(f"step {k + 1}{where} differs from every sLSTM variant (max rel err {proof.err:.1e})")
+            if not [v for v in agree if v in proof.agree]:
+                raise Refused(f"step {k + 1}{where} agrees with {C.describe(proof.agree[0])}, the steps before with "
+                              f"{C.describe(agree[0])}")
+            agree = [v for v in agree if v in proof.agree]
+            evidence = evidence or distinct
     variant = C.choose(agree, math.prod(layout.state.op_shape), evidence)
     if variant is None:
         raise Refused(f"the proof cannot tell {C.describe(agree[0])} from {C.describe(agree[1])} at this size")
@@ -401,25 +491,30 @@ def _collapse(gm, ctx, chain: Chain, where: str) -> None:
     cells = chain.cells
     T = len(cells)
     _check(graph, chain, ctx.training)
+    batch = _batch_size(chain)
     probed = sorted({0, 1, T // 2, T - 1})
     with C.running("the loop's steps"):
         layout = C.measure(cells[0])
         ins = _inputs(chain, layout, _time_tables(chain, layout, probed), probed)
-        variant, note = _accept_no_rule(chain, _prove(chain, layout, ins, probed))
+        if batch is not None:
+            _check_batch_layouts(chain, layout, ins, batch)
+        variant, note = _accept_no_rule(chain, _prove(chain, layout, ins, probed, batch))
     order = {n: i for i, n in enumerate(graph.nodes)}
     first = min((n for n in cells[0].region), key=order.__getitem__)
     last = max((n for n in cells[-1].region), key=order.__getitem__)
     span = order[last] - order[first] + 1
     olds = cells[0].inputs[:4]
     anchor = _hoist(graph, [*ins.roots, *olds], first, order, {n for c in cells for n in c.region})
-    _emit(graph, chain, layout, ins, variant, olds, anchor)
+    _emit(graph, chain, layout, ins, variant, olds, anchor, batch)
     C.erase_dead(graph, [n for c in cells for n in c.region] + list(olds))
     trace = f"the unrolled loop had {span} ATen nodes ({span // T} per step); Dynamo's trace grows with T"
     if T >= LONG_LOOP:
         trace += (": for long sequences call a library sLSTM that traces as one call (FlashRNN, xlstm) or "
                   "torch.ops.xaccel.slstm, or trace with a short T")
     ctx.report.replacements.append(Replacement(
-        FAMILY, "xaccel.slstm", f"unrolled sLSTM loop, {T} steps, variant {C.describe(variant)}{note}", where,
+        FAMILY, "xaccel.slstm", f"unrolled sLSTM loop, {T} steps, variant {C.describe(variant)}{note}"
+        + ("" if batch is None else f", batch size symbolic (proven at {batch.hint} and {batch.hint + BATCH_PROOF})"),
+        where,
         note=trace))
 
 
@@ -449,41 +544,45 @@ def _stacks(cells) -> list:
     return [u for u in hs[0].users if is_op(u, aten.stack.default) and list(u.args[0]) == hs]
 
 
-def _emit(graph, chain, layout, ins: _Inputs, variant, olds, anchor) -> None:
+def _emit(graph, chain, layout, ins: _Inputs, variant, olds, anchor, batch: BatchSize | None = None) -> None:
     cells = chain.cells
     T = len(cells)
     state = layout.state
     em = C.Emitter(graph, cells[0].core.L)
     with graph.inserting_before(anchor):
         like = ins.roots[0]
-        Wx = ins.Wx.emit(em, ins.roots, like)
+        B = None  # the symbolic batch size, read from a root (or a start state) that leads with it
+        if batch is not None:
+            source = next(n for n in [*ins.roots, *olds] if _leads_with(n, batch))
+            B = em(aten.sym_size.int, source, 0)
+        Wx = ins.Wx.emit(em, ins.roots, like, B)
         R, b = ins.R.emit(em, ins.roots, like), ins.b.emit(em, ins.roots, like)
-        init = [None] * 4 if all(C.is_zeros(x) for x in olds) else [state.emit(em, x, True) for x in olds]
+        init = [None] * 4 if all(C.is_zeros(x) for x in olds) else [state.emit(em, x, True, batch=B) for x in olds]
         op = em(torch.ops.xaccel.slstm.default, Wx, R, b, *init, *variant)
         y = em(operator.getitem, op, 0)
         for s in _stacks(cells):
-            s.replace_all_uses_with(_stacked(em, state, y, T, s.args[1] if len(s.args) > 1 else 0))
+            s.replace_all_uses_with(_stacked(em, state, y, T, s.args[1] if len(s.args) > 1 else 0, B))
             graph.erase_node(s)
         for k, c in enumerate(cells):
             h = c.core.new["h"]
             nxt = set(cells[k + 1].region) if k + 1 < T else set()
             outside = {u for u in h.users if u not in nxt and u not in set(c.region)}
             if outside:
-                h.replace_all_uses_with(state.emit(em, em(aten.select.int, y, 1, k), False),
+                h.replace_all_uses_with(state.emit(em, em(aten.select.int, y, 1, k), False, batch=B),
                                         delete_user_cb=lambda u, o=outside: u in o)
         last = cells[-1]
         for j, r in enumerate("cnm"):
             node = last.core.new[r]
             outside = {u for u in node.users if u not in set(last.region)}
             if outside:
-                node.replace_all_uses_with(state.emit(em, em(operator.getitem, op, 2 + j), False),
+                node.replace_all_uses_with(state.emit(em, em(operator.getitem, op, 2 + j), False, batch=B),
                                            delete_user_cb=lambda u, o=outside: u in o)
 
 
-def _stacked(em, state: C.StateMap, y, T: int, dim: int):
+def _stacked(em, state: C.StateMap, y, T: int, dim: int, batch=None):
     """torch.stack(every h, dim) in the user's layout, from y [B, T, NH, D]."""
     dim %= len(state.S) + 1
     if list(state.S) == list(state.op_shape):
         return y if dim == 1 else em(aten.movedim.int, y, 1, dim)
-    seq = state.emit(em, em(aten.movedim.int, y, 1, 0), False, lead=[T])
+    seq = state.emit(em, em(aten.movedim.int, y, 1, 0), False, lead=[T], batch=batch)
     return em(aten.movedim.int, seq, 0, dim) if dim else seq

@@ -319,11 +319,74 @@ def test_clamp_min_n_clamp_is_taken_where_its_gradient_is_the_ops():
     assert report.counts()["slstm"] == 1, str(report)
 
 
-def test_dynamic_shapes_are_refused_with_the_reason():
-    """The layouts are measured at one size, so a graph with symbolic sizes keeps its loop."""
+def test_symbolic_sizes_beyond_the_batch_are_refused_with_the_reason():
+    """dynamic=True makes the head count and head size symbolic too: the layouts are measured at
+    one size of those, so the loop stays as written."""
     report = check_compiled(einsum_stack, _op_inputs(torch.Generator().manual_seed(8)), dynamic=True, tol=1e-5)
     assert report.counts()["slstm"] == 0
-    assert any("dynamic shapes" in r for r in _slstm_fallbacks(report)), str(report)
+    assert any("dynamic shapes" in r and "batch" in r for r in _slstm_fallbacks(report)), str(report)
+
+
+# forms of LOOPS with their batch dims: {input index: dim}
+DYNAMIC_BATCH = {"einsum, zero start": {0: 0}, "einsum, states given": {0: 0, 3: 0, 4: 0, 5: 0, 6: 0},
+                 "bmm, buffer, chunk, clamps": {0: 0, 4: 0},
+                 "per-head matmuls, indexing, batch rule": {0: 1, 3: 0, 4: 0, 5: 0, 6: 0}}
+
+
+@pytest.mark.parametrize("name", list(DYNAMIC_BATCH))
+def test_a_symbolic_batch_size_is_collapsed_and_one_graph_serves_every_batch(name):
+    """A batch dim marked dynamic (what torch.export's Dim and torch.compile's second batch size
+    give): the layouts are measured and proven at the example batch size and at another, the op
+    reads the batch size from its input, and the one compiled graph equals eager at other batch
+    sizes, forward and gradients (flat states and a time-major Wx need reshapes at the symbolic
+    size)."""
+    fn, inputs, _ = LOOPS[name]
+    compiled = torch.compile(fn, backend="xaccel")
+
+    def loss(out):
+        return sum((o * o.detach().sin()).sum() for o in (out if isinstance(out, tuple) else (out,)))
+    with collect() as graphs:
+        for B in (3, 7, 2):
+            x = inputs(torch.Generator().manual_seed(B), B=B)
+            for k, dim in DYNAMIC_BATCH[name].items():
+                torch._dynamo.mark_dynamic(x[k], dim)
+            got, want = compiled(*x), fn(*x)
+            got_grads = torch.autograd.grad(loss(got), x)
+            want_grads = torch.autograd.grad(loss(want), x)
+            for g, w in zip((got,) if torch.is_tensor(got) else got, (want,) if torch.is_tensor(want) else want):
+                assert ((g - w).norm() / w.norm()).item() <= 1e-5, B
+            for g, w in zip(got_grads, want_grads):
+                assert ((g - w).norm() / w.norm()).item() <= 1e-5, B
+    report = Report(graphs=graphs)
+    assert len(graphs) == 1 and report.counts()["slstm"] == 1, str(report)
+
+
+def _time_major(Wx, R, b):
+    """Wx [T, B, 4, NH, D] (each step reads Wx[t]); states head-major [NH, B, D]."""
+    T, B, _, NH, D = Wx.shape
+    h = c = n = m = Wx.new_zeros(NH, B, D)
+    hs = []
+    for t in range(T):
+        raw = Wx[t].permute(1, 2, 0, 3) + torch.einsum("hbk,hgjk->ghbj", h, R) + b[:, :, None, :]
+        h, c, n, m = update(*raw.unbind(0), c, n, m)
+        hs.append(h)
+    return torch.stack(hs, 0)
+
+
+def test_a_symbolic_batch_that_is_not_the_states_leading_dim_is_refused_with_the_reason():
+    """States [NH, B, D] with a symbolic B: the measured layouts follow a symbolic batch only as
+    the leading dim of every tensor of the step, so the loop stays as written, with the reason;
+    at a static batch size it is taken."""
+    gen = torch.Generator().manual_seed(21)
+    Wx, R, b = _op_inputs(gen, B=3)[:3]
+    Wx = Wx.detach().transpose(0, 1).contiguous().requires_grad_()
+    report = check_compiled(_time_major, [Wx, R, b], tol=1e-5)
+    assert report.counts()["slstm"] == 1, str(report)
+    torch._dynamo.reset()
+    torch._dynamo.mark_dynamic(Wx, 1)
+    report = check_compiled(_time_major, [Wx, R, b], tol=1e-5)
+    assert report.counts()["slstm"] == 0
+    assert any("dynamic shapes" in r and "leading" in r for r in _slstm_fallbacks(report)), str(report)
 
 
 def test_long_loop_reports_its_trace_cost():
@@ -367,3 +430,20 @@ def test_proof_regimes_tell_every_variant_apart():
             worst[(u, v)] = max(worst.get((u, v), 0.0), err)
     close = {k: e for k, e in worst.items() if e < 1e3 * cell.TOL}
     assert not close, close
+
+
+def test_automatic_dynamic_batch_keeps_the_loop_collapsed():
+    """torch.compile's default: a second batch size recompiles with the batch dim symbolic; that
+    graph collapses the loop too and serves the batch sizes after it without recompiling."""
+    from torch_xaccel.demo import SLSTMBlock
+
+    torch.manual_seed(3)
+    block = SLSTMBlock(16, heads=2)
+    compiled = torch.compile(block, backend="xaccel")
+    with collect() as graphs:
+        for B in (2, 3, 6):
+            x = torch.randn(B, 5, 16)
+            got, want = compiled(x), block(x)
+            assert ((got - want).norm() / want.norm()).item() <= 1e-5, B
+    assert len(graphs) == 2, str(Report(graphs=graphs))  # the static first graph, then the symbolic one
+    assert all(Report(graphs=[g]).counts()["slstm"] == 1 for g in graphs), str(Report(graphs=graphs))

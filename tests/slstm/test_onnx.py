@@ -74,6 +74,25 @@ def test_the_demo_loop_becomes_one_node(tmp_path):
     assert rel_err(onnxruntime_outputs(tmp_path / "block.onnx", x)[0], want) <= 1e-5
 
 
+def test_the_demo_loop_with_a_dynamic_batch_becomes_one_node(tmp_path):
+    """The same loop exported with a symbolic batch dim: still one node (the loop's layouts are
+    proven at two batch sizes), and onnxruntime equals PyTorch at other batch sizes."""
+    from torch_xaccel.demo import SLSTMBlock
+
+    torch.manual_seed(1)
+    block, path = SLSTMBlock(32).eval(), tmp_path / "block.onnx"
+    res = xonnx.export(block, (torch.randn(3, 12, 32),), path, dynamic_shapes=({0: torch.export.Dim("batch")},),
+                       report=False)
+    assert res.xaccel_nodes["slstm"] == 1 and res.report.counts()["slstm"] == 1
+    onnx_checked_in_a_fresh_process(path)
+    for B in (2, 5):
+        x = torch.randn(B, 12, 32)
+        with torch.no_grad():
+            want = block(x)
+        got = onnxruntime_outputs(path, x)[0]
+        assert got.shape == want.shape and rel_err(got, want) <= 1e-5, B
+
+
 def test_the_xlstm_package_layer_becomes_one_node(tmp_path):
     """The xlstm package's vanilla sLSTM branches on its state's values (`if torch.all(n == 0)`):
     the export traces with Dynamo, whose substitution traces the op (a non-strict export fails
