@@ -91,6 +91,10 @@ def test_the_demo_loop_with_a_dynamic_batch_becomes_one_node(tmp_path):
             want = block(x)
         got = onnxruntime_outputs(path, x)[0]
         assert got.shape == want.shape and rel_err(got, want) <= 1e-5, B
+    # the loop's length is fixed by the trace's unrolling: a symbolic one is a clear error
+    with pytest.raises(ValueError, match="cannot keep seq symbolic.*Python loop over it.*leave it static"):
+        xonnx.export(block, (torch.randn(3, 12, 32),), dynamic_shapes=({0: torch.export.Dim("batch"),
+                                                                        1: torch.export.Dim("seq")},), report=False)
 
 
 def test_the_xlstm_package_layer_becomes_one_node(tmp_path):

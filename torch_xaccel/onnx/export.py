@@ -99,9 +99,15 @@ def _constraint_error(e: Exception) -> ValueError | None:
     if "Constraints violated" not in text:
         return None
     dims = re.search(r"Constraints violated \(([^)]*)\)", text)
+    name = dims.group(1) if dims else "a dim"
+    if "specialized it to be a constant" in text:  # no symbolic form can hold: e.g. a Python loop over the dim
+        return _UnkeepableDim(
+            f"torch_xaccel.onnx.export: torch.export cannot keep {name} symbolic: the model's own code fixes it to "
+            "the example's size (a Python loop over it, which the trace unrolls, does that): leave it static. "
+            "torch.export said:\n" + text[:3000])
     guards = [line.strip(" -") for line in text.splitlines() if "satisfy the generated guard" in line][:2]
     return _UnkeepableDim(
-        f"torch_xaccel.onnx.export: torch.export cannot keep {dims.group(1) if dims else 'a dim'} symbolic: the "
+        f"torch_xaccel.onnx.export: torch.export cannot keep {name} symbolic: the "
         f"model's own code branches on it ({'; '.join(guards) or 'see below'}). Declare the dim in the form that "
         "code needs (for code that pads a sequence to a multiple of its chunk size: "
         "`chunk * torch.export.Dim('s')`) or leave it static. torch.export said:\n" + text[:3000])
