@@ -20,15 +20,14 @@ the final c, n, m. Per-step inputs computed inside the loop move ahead of it. A 
 is no chain (step.py takes it); steps whose inputs depend on earlier outputs (decoding) are not
 a sequence either: step.py replaces them one by one.
 
-A symbolic batch size (BatchSize) is the one symbolic size allowed, and only as the leading dim of
+A symbolic batch size (cell.BatchSize) is the one symbolic size allowed, and only as the leading dim of
 the step's inputs: the layouts are measured at its example value, must put the batch outermost in
-every root they read (`_check_batch_layouts`: a reshape and permutation stays one at any batch
+every root they read (`cell.check_batch_layouts`: a reshape and permutation stays one at any batch
 size, as_strided would not), are proven at the example value and at one more, and the op's views
 take the size from a root at run time.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import operator
 from dataclasses import dataclass
@@ -229,85 +228,6 @@ def collapse(gm: torch.fx.GraphModule, ctx) -> None:
 
 
 @dataclass
-class BatchSize:
-    """The loop's symbolic batch size (dynamic shapes): the one symbolic size of its tensors, each
-    tensor's leading dim where it has it. The layouts are measured and proven at its example
-    value and again at another (BATCH_PROOF); the op is emitted with the size read from a root."""
-    symbol: object  # the sympy symbol
-    hint: int
-
-
-BATCH_PROOF = 1  # the second batch size is the example's plus this
-
-
-def _batch_size(chain) -> BatchSize | None:
-    """None where every size is static; else the batch size, or Refused where the symbolic sizes
-    are more than one batch size that leads every input of the step (the layouts are measured at
-    one size). Inside the step a tensor may hold it anywhere (the proof runs at two values)."""
-    cells = chain.cells
-    inputs = [n for c in cells for n in c.inputs]
-    inside = [n for c in cells for n in c.region]
-    sizes = [a for n in inside for a in n.all_input_nodes if C.is_size(a)]
-    symbols, hint = set(), None
-    for n in [*inputs, *inside, *sizes]:
-        for k, d in enumerate(_dims(n)):
-            if isinstance(d, int):
-                continue
-            symbols |= d.node.expr.free_symbols
-            if n in inputs and (k or not d.node.expr.is_Symbol):
-                raise Refused(f"dynamic shapes: the step's input {n.name} has the symbolic size {d} at dim {k} (only "
-                              "a leading batch dim may be symbolic; compile with dynamic=False or mark the other sizes "
-                              "static)")
-            if d.node.expr.is_Symbol:
-                hint = C.size_hint(d)
-    if not symbols:
-        return None
-    if len(symbols) > 1:
-        raise Refused(f"dynamic shapes: {len(symbols)} symbolic sizes ({', '.join(sorted(map(str, symbols)))}); "
-                      "only one batch size may be symbolic")
-    if hint is None or hint < 2:
-        raise Refused("dynamic shapes: the symbolic batch size has no example value of 2 or more")
-    return BatchSize(next(iter(symbols)), hint)
-
-
-def _dims(n) -> list:
-    v = val(n)
-    return list(v.shape) if isinstance(v, torch.Tensor) else [v] if isinstance(v, torch.SymInt) else []
-
-
-def _leads_with(node, batch: BatchSize) -> bool:
-    v = val(node)
-    return isinstance(v, torch.Tensor) and v.dim() > 0 and not isinstance(v.shape[0], int) \
-        and v.shape[0].node.expr == batch.symbol
-
-
-def _check_batch_layouts(chain, layout, ins, batch: BatchSize) -> None:
-    """With a symbolic batch size, the measured layouts must hold at every batch size: the op's
-    batch axis is the outermost dim of the states and of every root it reads (a reshape and
-    permutation of the root, batch first), and R and b do not depend on it."""
-    state = layout.state
-    h = chain.cells[0].core.new["h"]
-    if state.B != batch.hint or not _leads_with(h, batch) or (state.packed and state.packed[0] != 0):
-        raise Refused("dynamic shapes: the states' batch rows are not their leading dim")
-    for v in C.views(ins.Wx):
-        root = ins.roots[v.root]
-        if v.strides[0] == 0:
-            if not _static(root):
-                raise Refused("dynamic shapes: an input broadcast over the batch has a symbolic size")
-            continue
-        order = v.packed_order()
-        if order is None or order[0] != 0 or not _leads_with(root, batch):
-            raise Refused(f"dynamic shapes: Wx is read from {root.name} other than batch row by batch row")
-    for plan in (ins.R, ins.b):
-        if any(not _static(ins.roots[v.root]) for v in C.views(plan)):
-            raise Refused("dynamic shapes: R or b has a symbolic size")
-
-
-def _static(node) -> bool:
-    return C.static_shape(node) is not None
-
-
-@dataclass
 class _Inputs:
     roots: list  # the op's root tensors (nodes): shared ones, then each step's own
     slot: dict  # (step, root slot) -> index in roots
@@ -429,14 +349,14 @@ def _time_stride(tables, j, probed) -> int:
     return sigma
 
 
-def _prove(chain, layout, ins: _Inputs, probed, batch: BatchSize | None = None) -> tuple:
+def _prove(chain, layout, ins: _Inputs, probed, batch: C.BatchSize | None = None) -> tuple:
     """The variant every probed step agrees with, or Refused naming the step that does not. With a
     symbolic batch size, at its example value and at another."""
     agree, evidence = list(C.VARIANTS), False
     dtype = val(chain.cells[0].core.new["h"]).dtype
     rec = {ins.slot[(0, j)] for j in layout.recurrent}
-    for at in [None] if batch is None else [None, batch.hint + BATCH_PROOF]:
-        state = layout.state if at is None else dataclasses.replace(layout.state, S=(at, *layout.state.S[1:]), B=at)
+    for at in C.proof_batches(batch):
+        state = C.state_at(layout.state, at)
         for k in probed:
             c = chain.cells[k]
             olds = c.inputs[:4]
@@ -445,15 +365,11 @@ def _prove(chain, layout, ins: _Inputs, probed, batch: BatchSize | None = None) 
                 raise Refused(f"step {k + 1}'s states are one tensor")
             fn = C.extract(c.region, c.inputs, [c.core.new[r] for r in "hcnm"], batch=at)
 
-            def shape(node, at=at):
-                s = C.example_shape(node) or ()
-                return (at, *s[1:]) if at is not None and _leads_with(node, batch) else s
-
-            def make_inputs(gen, k=k, c=c, at=at, shape=shape):
-                vals = [torch.randn(shape(r), generator=gen, dtype=dtype) for r in ins.roots]
+            def make_inputs(gen, k=k, c=c, at=at):
+                vals = [torch.randn(C.shape_at(r, batch, at), generator=gen, dtype=dtype) for r in ins.roots]
                 vals = [v / layout.state.D ** 0.5 if g in rec else v for g, v in enumerate(vals)]
                 mine = [vals[ins.slot[(k, j)]] for j in range(len(c.roots))]
-                consts = [torch.randn(shape(x), generator=gen).to(val(x).dtype) for x in c.consts]
+                consts = [torch.randn(C.shape_at(x, batch, at), generator=gen).to(val(x).dtype) for x in c.consts]
                 like = vals[0]
                 return [*mine, *consts], ins.Wx.run(vals, like, at)[:, k], ins.R.run(vals, like), ins.b.run(vals, like)
 
@@ -491,13 +407,14 @@ def _collapse(gm, ctx, chain: Chain, where: str) -> None:
     cells = chain.cells
     T = len(cells)
     _check(graph, chain, ctx.training)
-    batch = _batch_size(chain)
+    batch = C.batch_size(chain.cells)
     probed = sorted({0, 1, T // 2, T - 1})
     with C.running("the loop's steps"):
         layout = C.measure(cells[0])
         ins = _inputs(chain, layout, _time_tables(chain, layout, probed), probed)
         if batch is not None:
-            _check_batch_layouts(chain, layout, ins, batch)
+            C.check_batch_layouts(chain.cells[0].core.new["h"], layout.state, ins.Wx, ins.R, ins.b, ins.roots,
+                                  batch)
         variant, note = _accept_no_rule(chain, _prove(chain, layout, ins, probed, batch))
     order = {n: i for i, n in enumerate(graph.nodes)}
     first = min((n for n in cells[0].region), key=order.__getitem__)
@@ -513,7 +430,7 @@ def _collapse(gm, ctx, chain: Chain, where: str) -> None:
                   "torch.ops.xaccel.slstm, or trace with a short T")
     ctx.report.replacements.append(Replacement(
         FAMILY, "xaccel.slstm", f"unrolled sLSTM loop, {T} steps, variant {C.describe(variant)}{note}"
-        + ("" if batch is None else f", batch size symbolic (proven at {batch.hint} and {batch.hint + BATCH_PROOF})"),
+        + C.describe_batch(batch),
         where,
         note=trace))
 
@@ -544,7 +461,7 @@ def _stacks(cells) -> list:
     return [u for u in hs[0].users if is_op(u, aten.stack.default) and list(u.args[0]) == hs]
 
 
-def _emit(graph, chain, layout, ins: _Inputs, variant, olds, anchor, batch: BatchSize | None = None) -> None:
+def _emit(graph, chain, layout, ins: _Inputs, variant, olds, anchor, batch: C.BatchSize | None = None) -> None:
     cells = chain.cells
     T = len(cells)
     state = layout.state
@@ -553,7 +470,7 @@ def _emit(graph, chain, layout, ins: _Inputs, variant, olds, anchor, batch: Batc
         like = ins.roots[0]
         B = None  # the symbolic batch size, read from a root (or a start state) that leads with it
         if batch is not None:
-            source = next(n for n in [*ins.roots, *olds] if _leads_with(n, batch))
+            source = next(n for n in [*ins.roots, *olds] if C.leads_with(n, batch))
             B = em(aten.sym_size.int, source, 0)
         Wx = ins.Wx.emit(em, ins.roots, like, B)
         R, b = ins.R.emit(em, ins.roots, like), ins.b.emit(em, ins.roots, like)

@@ -55,23 +55,22 @@ def _replace(gm, ctx, core: C.Core, where: str) -> None:
     for h in C.h_candidates(core, order):
         try:
             cell = C.build_cell(core, h, order)
-            variant, layout, ins = _prove(graph, cell, ctx.training)
+            variant, layout, ins, batch = _prove(graph, cell, ctx.training)
         except (NoMatch, Refused) as e:
             if why is None or (isinstance(e, Refused) and not isinstance(why, Refused)):
                 why = e
             continue
-        _emit(graph, cell, layout, ins, variant, order)
+        _emit(graph, cell, layout, ins, variant, order, batch)
         C.erase_dead(graph, cell.region)
-        ctx.report.replacements.append(Replacement(FAMILY, "xaccel.slstm_step",
-                                                   f"sLSTM step, variant {C.describe(variant)}", where))
+        ctx.report.replacements.append(Replacement(FAMILY, "xaccel.slstm_step", f"sLSTM step, variant "
+                                                   f"{C.describe(variant)}{C.describe_batch(batch)}", where))
         return
     raise Refused(str(why) if why else "no tensor of the states' shape that the gates are linear in (the old h)")
 
 
 def _check(graph, cell: C.Cell) -> None:
-    tensors = [n for n in (*cell.region, *cell.inputs) if isinstance(val(n), torch.Tensor)]
-    if cell.shape is None or any(C.static_shape(n) is None for n in tensors):
-        raise Refused("dynamic shapes (the layouts are measured at one size)")
+    if cell.shape is None:
+        raise Refused("the states' shape has an unbacked size")
     dtype = val(cell.core.new["h"]).dtype
     if dtype not in (torch.float32, torch.float64) or any(
             val(n).dtype != dtype for n in (*cell.core.new.values(), *cell.core.old.values(), cell.h_old, *cell.roots)):
@@ -87,7 +86,7 @@ def _check(graph, cell: C.Cell) -> None:
 def _plans(cell: C.Cell, layout: C.Layout) -> tuple:
     """(Wx_t [B, 4, NH, D], R, b) plans over the cell's roots: batch-invariant additive roots
     are the bias, the rest Wx_t."""
-    shapes = {j: C.static_shape(r) for j, r in enumerate(cell.roots)}
+    shapes = {j: C.example_shape(r) for j, r in enumerate(cell.roots)}
     wx = [t for t in layout.additive.values() if not C.batch_invariant(t)]
     bias = [(t[0][0], t[1][0]) for t in layout.additive.values() if C.batch_invariant(t)]
     state = layout.state
@@ -107,24 +106,33 @@ def _prove(graph, cell: C.Cell, training: bool) -> tuple:
     distinct = len({id(x) for x in olds}) == 4
     if not distinct and not all(C.is_zeros(x) for x in olds):
         raise Refused("its states are one tensor")
+    batch = C.batch_size([cell])
     with C.running("the step"):
         layout = C.measure(cell)
         ins = _plans(cell, layout)
+        if batch is not None:
+            C.check_batch_layouts(cell.core.new["h"], layout.state, *ins, cell.roots, batch)
         dtype = val(cell.core.new["h"]).dtype
-        fn = C.extract(cell.region, cell.inputs, [cell.core.new[r] for r in "hcnm"])
+        agree = list(C.VARIANTS)
+        for at in C.proof_batches(batch):
+            fn = C.extract(cell.region, cell.inputs, [cell.core.new[r] for r in "hcnm"], batch=at)
 
-        def make_inputs(gen):
-            vals = C.random_roots(cell, layout, gen, dtype)
-            roots = vals[:len(cell.roots)]
-            return vals, *(p.run(roots, roots[0]) for p in ins)
+            def make_inputs(gen, at=at):
+                vals = C.random_roots(cell, layout, gen, dtype, shape=lambda r, at=at: C.shape_at(r, batch, at))
+                roots = vals[:len(cell.roots)]
+                Wx, R, b = ins
+                return vals, Wx.run(roots, roots[0], at), R.run(roots, roots[0]), b.run(roots, roots[0])
 
-        proof = C.prove(fn, layout.state, dtype, make_inputs, zero_states=not distinct)
-    if not proof.agree:
-        raise Refused(f"differs from every sLSTM variant (max rel err {proof.err:.1e})")
-    variant = C.choose(proof.agree, math.prod(layout.state.op_shape), distinct)
+            proof = C.prove(fn, C.state_at(layout.state, at), dtype, make_inputs, zero_states=not distinct)
+            if not proof.agree:
+                where = "" if at is None else f" at batch size {at}"
+                raise Refused(f"differs{where} from every sLSTM variant (max rel err {proof.err:.1e})")
+            agree = [v for v in agree if v in proof.agree]
+        if not agree:
+            raise Refused("agrees with different sLSTM variants at different batch sizes")
+    variant = C.choose(agree, math.prod(layout.state.op_shape), distinct)
     if variant is None:
-        raise Refused(f"the proof cannot tell {C.describe(proof.agree[0])} from {C.describe(proof.agree[1])} "
-                      "at this size")
+        raise Refused(f"the proof cannot tell {C.describe(agree[0])} from {C.describe(agree[1])} at this size")
     if variant[0] == C.NO_RULE:
         if variant[2]:
             raise Refused("no fresh rule and n clamped at 1: no variant of xaccel.slstm_step computes it")
@@ -133,10 +141,10 @@ def _prove(graph, cell: C.Cell, training: bool) -> tuple:
             raise Refused("no fresh rule: its h equals xaccel.slstm_step's, but its c, n, m carry another "
                           "stabilizer and the graph reads them")
         variant = ("element", False, False)
-    return variant, layout, ins
+    return variant, layout, ins, batch
 
 
-def _emit(graph, cell: C.Cell, layout: C.Layout, ins, variant, order) -> None:
+def _emit(graph, cell: C.Cell, layout: C.Layout, ins, variant, order, batch=None) -> None:
     """The op right after its last input; the new states viewed back to the user's layout."""
     region = set(cell.region)
     inputs = [*cell.roots, *cell.inputs[:4]]
@@ -149,11 +157,15 @@ def _emit(graph, cell: C.Cell, layout: C.Layout, ins, variant, order) -> None:
     state = layout.state
     with graph.inserting_before(last.next):
         like = cell.roots[0]
-        Wx, R, b = (p.emit(em, cell.roots, like) for p in ins)
-        olds = [state.emit(em, x, True) for x in cell.inputs[:4]]
+        B = None  # the symbolic batch size, read from an input that leads with it
+        if batch is not None:
+            B = em(aten.sym_size.int, next(n for n in inputs if C.leads_with(n, batch)), 0)
+        Wx = ins[0].emit(em, cell.roots, like, B)
+        R, b = (p.emit(em, cell.roots, like) for p in ins[1:])
+        olds = [state.emit(em, x, True, batch=B) for x in cell.inputs[:4]]
         op = em(torch.ops.xaccel.slstm_step.default, Wx, R, b, *olds, *variant)
         for j, r in enumerate("hcnm"):
             outside = {u for u in outs[r].users if u not in region}
             if outside:
-                new = state.emit(em, em(operator.getitem, op, j), False)
+                new = state.emit(em, em(operator.getitem, op, j), False, batch=B)
                 outs[r].replace_all_uses_with(new, delete_user_cb=lambda u, o=outside: u in o)

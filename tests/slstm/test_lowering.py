@@ -447,3 +447,36 @@ def test_automatic_dynamic_batch_keeps_the_loop_collapsed():
             assert ((got - want).norm() / want.norm()).item() <= 1e-5, B
     assert len(graphs) == 2, str(Report(graphs=graphs))  # the static first graph, then the symbolic one
     assert all(Report(graphs=[g]).counts()["slstm"] == 1 for g in graphs), str(Report(graphs=graphs))
+
+
+def decode_step_flat(x_t, h, c, n, m, W, R, b):
+    """decode_step with flat states [B, NH*D] (R [NH, 4, D, D] gives the head split)."""
+    B, NH, D = h.shape[0], R.shape[0], R.shape[-1]
+    raw = (x_t @ W).view(B, 4, NH, D) + torch.einsum("bhk,hgjk->bghj", h.view(B, NH, D), R) + b
+    return update(*(g.reshape(B, NH * D) for g in raw.unbind(1)), c, n, m)
+
+
+@pytest.mark.parametrize("fn", [decode_step, decode_step_flat], ids=["states [B, NH, D]", "flat states"])
+def test_a_decode_step_with_a_symbolic_batch_is_one_step_op_for_every_batch(fn):
+    """A hand-written decode step with its batch dim marked dynamic: proven at two batch sizes, one
+    xaccel.slstm_step reading the batch size from its input, one graph equal to eager at others."""
+    compiled = torch.compile(fn, backend="xaccel")
+    NH, D, DIN = 2, 4, 5
+    S = (NH, D) if fn is decode_step else (NH * D,)
+    with collect() as graphs:
+        for B in (3, 7, 2):
+            gen = torch.Generator().manual_seed(B)
+            mk = _mk(gen)
+            n = (torch.rand(B, *S, generator=gen) + 0.2).requires_grad_()
+            x = [mk(B, DIN), mk(B, *S, scale=0.5), mk(B, *S), n, mk(B, *S),
+                 mk(DIN, 4 * NH * D, scale=0.5), mk(NH, 4, D, D, scale=0.5), mk(4, NH, D)]
+            for t in x[:5]:
+                torch._dynamo.mark_dynamic(t, 0)
+            got, want = compiled(*x), fn(*x)
+            got_grads = torch.autograd.grad(sum((g * w.detach().cos()).sum() for g, w in zip(got, want)), x)
+            want_grads = torch.autograd.grad(sum((w * w.detach().cos()).sum() for w in want), x)
+            for g, w in [*zip(got, want), *zip(got_grads, want_grads)]:
+                assert ((g - w).norm() / w.norm()).item() <= 1e-5, B
+    report = Report(graphs=graphs)
+    assert len(graphs) == 1 and report.counts()["slstm_step"] == 1, str(report)
+    assert "batch size symbolic" in report.replacements[0].pattern

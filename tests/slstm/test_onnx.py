@@ -97,6 +97,34 @@ def test_the_demo_loop_with_a_dynamic_batch_becomes_one_node(tmp_path):
                                                                         1: torch.export.Dim("seq")},), report=False)
 
 
+def test_a_hand_written_decode_step_with_a_dynamic_batch_becomes_one_step_node(tmp_path):
+    """A hand-written decode step (flat states) exported with a symbolic batch: one slstm_step
+    node, and onnxruntime equals PyTorch at other batch sizes."""
+    from tests.slstm.test_lowering import decode_step_flat
+
+    torch.manual_seed(2)
+    NH, D, DIN = 2, 4, 5
+    W, R, b = torch.randn(DIN, 4 * NH * D) * 0.5, torch.randn(NH, 4, D, D) * 0.5, torch.randn(4, NH, D)
+
+    class Step(torch.nn.Module):
+        def forward(self, x_t, h, c, n, m):
+            return decode_step_flat(x_t, h, c, n, m, W, R, b)
+
+    def inputs(B):
+        return (torch.randn(B, DIN), torch.randn(B, NH * D) * 0.5, torch.randn(B, NH * D),
+                torch.rand(B, NH * D) + 0.2, torch.randn(B, NH * D))
+    path = tmp_path / "step.onnx"
+    res = xonnx.export(Step(), inputs(3), path, dynamic_shapes=({0: torch.export.Dim("batch")},) * 5, report=False)
+    assert res.xaccel_nodes.get("slstm_step") == 1, res.xaccel_nodes
+    onnx_checked_in_a_fresh_process(path)
+    for B in (2, 6):
+        x = inputs(B)
+        with torch.no_grad():
+            want = Step()(*x)
+        for g, w in zip(onnxruntime_outputs(path, *x), want):
+            assert g.shape == w.shape and rel_err(g, w) <= 1e-5, B
+
+
 def test_the_xlstm_package_layer_becomes_one_node(tmp_path):
     """The xlstm package's vanilla sLSTM branches on its state's values (`if torch.all(n == 0)`):
     the export traces with Dynamo, whose substitution traces the op (a non-strict export fails
