@@ -140,6 +140,13 @@ def is_zeros(node) -> bool:
     return is_op(node, *_FILL_FACTORIES) and node.args[-1] == 0
 
 
+def tensor_roots_refusal(cell) -> str | None:
+    """Why the step's roots are not all tensors (a root left as a tuple of tensors, where a
+    symbolic size stops the walk up through views), or None."""
+    odd = next((r for r in cell.roots if not isinstance(val(r), torch.Tensor)), None)
+    return None if odd is None else f"the step reads {odd.name}, a {type(val(odd)).__name__} of tensors, as one input"
+
+
 def static_shape(node) -> tuple | None:
     """The node's shape when every size is a plain int (dynamic sizes: None)."""
     v = val(node)
@@ -339,7 +346,7 @@ def _viewed(node):
     src = node.args[0]
     v = val(src)
     if isinstance(v, (tuple, list)):  # getitem of unbind/split: the tuple's source is the tensor
-        return src
+        return src if all(isinstance(t, torch.Tensor) and isinstance(t.numel(), int) for t in v) else None
     return src if isinstance(v, torch.Tensor) and isinstance(v.numel(), int) and v.numel() <= MAX_ROOT else None
 
 
@@ -511,11 +518,12 @@ class View(Plan):
             perm = [order.index(a) for a in real]
             if perm != sorted(perm):
                 ops.append((aten.permute.default, (perm,)))
-        else:
+        else:  # (with a symbolic batch: check_batch_layouts allows this only batch row by batch row)
             ops.append((aten.reshape.default, ([-1],)))
             if self.offset:
-                ops.append((aten.slice.Tensor, (0, self.offset, numel)))
-            ops.append((aten.as_strided.default, ([self.shape[a] for a in real], [self.strides[a] for a in real])))
+                ops.append((aten.slice.Tensor, (0, self.offset) if batch is not None else (0, self.offset, numel)))
+            ops.append((aten.as_strided.default, (_with_batch([self.shape[a] for a in real], real, batch),
+                                                  [self.strides[a] for a in real])))
         axes = range(len(self.shape))
         full = [n if a in real else 1 for a, n in enumerate(self.shape)]
         if batch is not None or full != [self.shape[a] for a in real]:
@@ -1011,11 +1019,22 @@ def check_batch_layouts(h, state: StateMap, Wx: Plan, R: Plan, b: Plan, roots, b
             if static_shape(root) is None:
                 raise Refused("dynamic shapes: an input broadcast over the batch has a symbolic size")
             continue
-        order = v.packed_order()
-        if order is None or order[0] != 0 or not leads_with(root, batch):
+        if not leads_with(root, batch) or not _row_by_row(v):
             raise Refused(f"dynamic shapes: Wx is read from {root.name} other than batch row by batch row")
     if any(static_shape(roots[v.root]) is None for plan in (R, b) for v in views(plan)):
         raise Refused("dynamic shapes: R or b has a symbolic size")
+
+
+def _row_by_row(v: View) -> bool:
+    """Batch row b of the view reads root row b only, at any batch size: a reshape and permutation
+    with the batch outermost, or strides within one row of the root (its dims after the first)
+    with the batch advancing by one row."""
+    order = v.packed_order()
+    if order is not None:
+        return not order or order[0] == 0
+    row = math.prod(v.root_shape[1:])
+    reach = v.offset + sum((n - 1) * st for a, (n, st) in enumerate(zip(v.shape, v.strides)) if a)
+    return v.strides[0] == row and reach < row
 
 
 def proof_batches(batch: BatchSize | None) -> list:

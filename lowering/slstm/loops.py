@@ -244,6 +244,9 @@ def _check(graph, chain, training: bool) -> None:
     if tie:
         raise Refused(tie)
     T = len(cells)
+    odd = next((why for c in cells if (why := C.tensor_roots_refusal(c))), None)
+    if odd:
+        raise Refused(odd)
     dtype = val(cells[0].core.new["h"]).dtype
     floats = [n for c in cells for n in (*c.core.new.values(), *c.roots)]
     if dtype not in (torch.float32, torch.float64) or any(val(n).dtype != dtype for n in floats):

@@ -71,6 +71,9 @@ def _replace(gm, ctx, core: C.Core, where: str) -> None:
 def _check(graph, cell: C.Cell) -> None:
     if cell.shape is None:
         raise Refused("the states' shape has an unbacked size")
+    odd = C.tensor_roots_refusal(cell)
+    if odd:
+        raise Refused(odd)
     dtype = val(cell.core.new["h"]).dtype
     if dtype not in (torch.float32, torch.float64) or any(
             val(n).dtype != dtype for n in (*cell.core.new.values(), *cell.core.old.values(), cell.h_old, *cell.roots)):

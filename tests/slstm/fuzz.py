@@ -13,7 +13,8 @@ returned or not, zero, given or mixed initial states, states cast every step; an
 fresh rule per element (torch.where(n == 0, ...)), per batch (torch.all(n == 0)) or none,
 clamped gates (torch.minimum or clamp(max=1)), n clamped (torch.maximum(n, 1), the op's form, or
 clamp(min=1)), commutative arguments in either order; random B, T (1 and odd included), NH, D;
-grad or no_grad; static or dynamic shapes.
+grad or no_grad; static or dynamic shapes, or only the batch dims marked dynamic (then the compiled
+function also runs at a second batch size).
 
 A case is one of:
 - "slstm": a true sLSTM. It must be replaced (xaccel.slstm for T >= 2, xaccel.slstm_step for T = 1)
@@ -30,6 +31,7 @@ A case is one of:
 Every case must equal eager (fp32, forward and every input's gradient, 1e-5 relative)."""
 from __future__ import annotations
 
+import dataclasses
 import random
 import textwrap
 from dataclasses import dataclass, field
@@ -75,7 +77,7 @@ class Case:
     kind: str  # "slstm", "look-alike" or "reparam"
     T: int
     mode: str  # "grad" (every input requires grad) or "no_grad"
-    dynamic: bool | None
+    dynamic: bool | None | str  # torch.compile's dynamic=, or "batch": the batch dims marked dynamic
     refusal: list = field(default_factory=list)  # reasons the lowering gives (by design or NOT_A_VIEW; any one)
     style: dict = field(default_factory=dict)
     outcome: tuple | None = None  # after check: (slstm, slstm_step replacements, the sLSTM fallback reasons)
@@ -148,6 +150,8 @@ def generate(seed: int) -> Case:
     s["slip"] = slip
     mode = "grad" if rng.random() < 0.85 else "no_grad"
     dynamic = _pick(rng, False, None, True, weights=[10, 3, 1])
+    if seed % 5 == 2 and B >= 2:  # from the seed, not the rng: the other draws stay as they were
+        dynamic = "batch"
     if s["init"] != "given":
         del s["n0"]
     source, inputs = _source(s, B, T, NH, D, H, I)
@@ -357,6 +361,45 @@ def _run(fn, inputs, mode):
     return outs, grads
 
 
+def _batch_dims(case: Case) -> dict:
+    """{input name: its batch dim} (the generator's layout: x or Wx time-major or not, states [B, ...])."""
+    return {"x": int(case.style["time_major"]), "Wx": int(case.style["time_major"]), "h0": 0, "c0": 0, "n0": 0,
+            "m0": 0}
+
+
+def _batch_of(case: Case) -> int:
+    name, shape, _, _ = case.inputs[0]
+    return shape[_batch_dims(case)[name]]
+
+
+def _batch_marked(case: Case, inputs: list) -> list:
+    dims = _batch_dims(case)
+    for (name, _, _, _), t in zip(case.inputs, inputs):
+        if name in dims:
+            torch._dynamo.maybe_mark_dynamic(t, dims[name])
+    return inputs
+
+
+def _at_batch(case: Case, B: int) -> list:
+    """The case's inputs drawn anew at batch size B."""
+    dims = _batch_dims(case)
+    shapes = [(n, tuple(B if n in dims and k == dims[n] else d for k, d in enumerate(shape)), kind, scale)
+              for n, shape, kind, scale in case.inputs]
+    return dataclasses.replace(case, inputs=shapes, seed=case.seed + 7919).make_inputs()
+
+
+def _differs(got_run, want_run, case: Case) -> str | None:
+    """Why a compiled run differs from eager's (forward and every input's gradient), or None."""
+    (got, got_g), (want, want_g) = got_run, want_run
+    for k, (o, w) in enumerate(zip(got, want)):
+        if o.shape != w.shape or _err(o, w) > TOL:
+            return f"output {k}: {tuple(o.shape)}, {_err(o, w):.2e} relative to eager"
+    for (name, _, _, _), g, w in zip(case.inputs, got_g or (), want_g or ()):
+        if (g is None) != (w is None) or (w is not None and _err(g, w) > TOL):
+            return f"d{name} differs from eager"
+    return None
+
+
 def _err(a, b) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -373,8 +416,16 @@ def check(case: Case) -> str | None:
     clone = lambda ts: [t.detach().clone().requires_grad_(t.requires_grad) for t in ts]  # noqa: E731
     want, want_g = _run(fn, clone(base), case.mode)
     torch._dynamo.reset()
+    batch = case.dynamic == "batch"
+    compiled = torch.compile(fn, backend="xaccel", dynamic=None if batch else case.dynamic)
     with collect() as graphs:
-        got, got_g = _run(torch.compile(fn, backend="xaccel", dynamic=case.dynamic), clone(base), case.mode)
+        got, got_g = _run(compiled, _batch_marked(case, clone(base)) if batch else clone(base), case.mode)
+        if batch:  # the same compiled function at another batch size
+            other = _at_batch(case, _batch_of(case) + 2)
+            why = _differs(_run(compiled, _batch_marked(case, clone(other)), case.mode),
+                           _run(fn, clone(other), case.mode), case)
+            if why:
+                return f"at batch size {_batch_of(case) + 2}: {why}"
     report = Report(graphs=graphs)
     if len(got) != len(want):
         return f"{len(got)} outputs, eager {len(want)}"

@@ -38,10 +38,11 @@ def test_the_generator_covers_what_it_promises():
                    "h.view(B, D, NH).transpose(1, 2)", "c.to(x_t.dtype)"):
         assert needle in sources, needle
     assert {c.T for c in cases} >= {1, 2, 3, 5, 7}
-    assert {c.mode for c in cases} == {"grad", "no_grad"} and {c.dynamic for c in cases} == {None, False, True}
+    assert {c.mode for c in cases} == {"grad", "no_grad"} and {c.dynamic for c in cases} == {None, False, True, "batch"}
     assert {c.style["slip"] for c in cases if c.kind == "look-alike"} == set(LOOK_ALIKES)
     assert {r for c in cases for r in c.refusal} == {TIE, NO_RULE_CLAMP, NO_RULE_READ, NOT_A_VIEW}
     ci = [generate(seed) for seed in range(DEFAULT)]
     assert {c.kind for c in ci} >= {"slstm", "look-alike"} and any(c.refusal for c in ci)
     assert any(c.T == 1 and c.kind == "slstm" and not c.refusal for c in ci)
     assert any(c.T > 1 and c.kind == "slstm" and not c.refusal for c in ci)
+    assert any(c.dynamic == "batch" and c.kind == "slstm" for c in ci)  # run at two batch sizes
