@@ -237,7 +237,7 @@ class PlainCalls:
     def __init__(self, family: str, op: str, digest: str):
         self.family, self.op, self.digest, self.memo = family, op, digest, {}
 
-    def reference_runs(self, case_key, numel: int, device: torch.device, case: str, kernel, reference) -> bool:
+    def reference_runs(self, case_key, numel: int, device: torch.device, case, kernel, reference) -> bool:
         """case_key: the dispatch's key; case(): its label for tuning keys and reports (called once
         per case); kernel() and reference(): one call of each on the case's real arguments."""
         if numel > PLAIN_SMALL_ELEMENTS or capturing():

@@ -438,7 +438,7 @@ def extract(nodes, inputs, outputs, strip_casts=False, batch: int | None = None)
     """The nodes as a callable of `inputs` (one argument each, duplicates allowed) returning
     `outputs`. strip_casts: float-to-float casts become identities (for float64 probes). The
     symbolic sizes the nodes read become ints: their example values, or `batch` for a symbolic
-    batch size (see loops.BatchSize)."""
+    batch size (see BatchSize)."""
     g = torch.fx.Graph()
     env = {}
 
@@ -706,7 +706,7 @@ class StateMap:
 
     def _to_op(self, batch=None):
         """(op, args(leading sizes)) steps from [*lead, *S] to [*lead, B, NH, D]; `batch`: the
-        batch size where it is symbolic (the user's dim 0 then, see loops.BatchSize)."""
+        batch size where it is symbolic (the user's dim 0 then, see BatchSize)."""
         sizes = _with_batch([self.op_shape[a] for a in self.packed], self.packed, batch)
         op_shape = _with_batch(self.op_shape, range(3), batch)
         real = sorted(self.packed)
@@ -722,7 +722,7 @@ class StateMap:
         real = sorted(self.packed)
         inv = [real.index(a) for a in self.packed]
         sizes = _with_batch([self.op_shape[a] for a in real], real, batch)
-        S = [batch if batch is not None and k == 0 else n for k, n in enumerate(self.S)]
+        S = _with_batch(self.S, range(len(self.S)), batch)
         ops = [(aten.reshape.default, lambda p: ([*p, *sizes],))]
         if inv != sorted(inv):
             ops.append((aten.permute.default, lambda p: ([*range(len(p)), *[len(p) + q for q in inv]],)))
@@ -1008,9 +1008,8 @@ def leads_with(node, batch: BatchSize) -> bool:
 
 def check_batch_layouts(h, state: StateMap, Wx: Plan, R: Plan, b: Plan, roots, batch: BatchSize) -> None:
     """With a symbolic batch size the measured layouts must hold at every batch size: the batch
-    is the outermost dim of the states (h, the step's new h) and of every root Wx reads (a reshape
-    and permutation of the root stays one at any batch size, as_strided would not), and R and b
-    do not depend on it."""
+    is the outermost dim of the states (h, the step's new h), every root Wx reads is read batch row
+    by batch row (_row_by_row), and R and b do not depend on it."""
     if state.B != batch.hint or not leads_with(h, batch) or (state.packed and state.packed[0] != 0):
         raise Refused("dynamic shapes: the states' batch rows are not their leading dim")
     for v in views(Wx):
@@ -1051,6 +1050,14 @@ def shape_at(node, batch: BatchSize | None, at: int | None) -> tuple:
     """The node's example shape, its leading batch dim at `at` where given."""
     s = example_shape(node) or ()
     return (at, *s[1:]) if at is not None and leads_with(node, batch) else s
+
+
+def emit_batch_size(em, batch: BatchSize | None, nodes):
+    """The batch size as a graph node (sym_size of the first of `nodes` leading with it), or None
+    where it is static."""
+    if batch is None:
+        return None
+    return em(aten.sym_size.int, next(n for n in nodes if leads_with(n, batch)), 0)
 
 
 def describe_batch(batch: BatchSize | None) -> str:

@@ -21,10 +21,9 @@ is no chain (step.py takes it); steps whose inputs depend on earlier outputs (de
 a sequence either: step.py replaces them one by one.
 
 A symbolic batch size (cell.BatchSize) is the one symbolic size allowed, and only as the leading dim of
-the step's inputs: the layouts are measured at its example value, must put the batch outermost in
-every root they read (`cell.check_batch_layouts`: a reshape and permutation stays one at any batch
-size, as_strided would not), are proven at the example value and at one more, and the op's views
-take the size from a root at run time.
+the step's inputs: the layouts are measured at its example value, must read every root batch row
+by batch row (`cell.check_batch_layouts`), are proven at the example value and at one more, and the
+op's views take the size from a root at run time.
 """
 from __future__ import annotations
 
@@ -471,10 +470,7 @@ def _emit(graph, chain, layout, ins: _Inputs, variant, olds, anchor, batch: C.Ba
     em = C.Emitter(graph, cells[0].core.L)
     with graph.inserting_before(anchor):
         like = ins.roots[0]
-        B = None  # the symbolic batch size, read from a root (or a start state) that leads with it
-        if batch is not None:
-            source = next(n for n in [*ins.roots, *olds] if C.leads_with(n, batch))
-            B = em(aten.sym_size.int, source, 0)
+        B = C.emit_batch_size(em, batch, [*ins.roots, *olds])  # None where the batch size is static
         Wx = ins.Wx.emit(em, ins.roots, like, B)
         R, b = ins.R.emit(em, ins.roots, like), ins.b.emit(em, ins.roots, like)
         init = [None] * 4 if all(C.is_zeros(x) for x in olds) else [state.emit(em, x, True, batch=B) for x in olds]

@@ -160,9 +160,7 @@ def _emit(graph, cell: C.Cell, layout: C.Layout, ins, variant, order, batch=None
     state = layout.state
     with graph.inserting_before(last.next):
         like = cell.roots[0]
-        B = None  # the symbolic batch size, read from an input that leads with it
-        if batch is not None:
-            B = em(aten.sym_size.int, next(n for n in inputs if C.leads_with(n, batch)), 0)
+        B = C.emit_batch_size(em, batch, inputs)  # None where the batch size is static
         Wx = ins[0].emit(em, cell.roots, like, B)
         R, b = (p.emit(em, cell.roots, like) for p in ins[1:])
         olds = [state.emit(em, x, True, batch=B) for x in cell.inputs[:4]]
