@@ -825,6 +825,172 @@ def _model_config_rows(name, kernels, dims, dev, tokens, add, compile_kwargs) ->
         _empty_cache()
 
 
+TRANSFORMERS_XLSTM = "transformers.models.xlstm.modeling_xlstm"
+
+
+def transformers_xlstm_without_package():
+    """transformers' xlstm module as a user without the xlstm package gets it (its in-file copy of
+    the chunkwise, sequence and step kernels), also where the package is installed: the file
+    imported afresh under another name (Dynamo looks functions up by module name) while
+    transformers' availability check answers no and `import xlstm` fails."""
+    import importlib.util
+
+    import transformers
+
+    name = TRANSFORMERS_XLSTM + "_without_xlstm"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, importlib.util.find_spec(TRANSFORMERS_XLSTM).origin)
+        module = importlib.util.module_from_spec(spec)
+        package = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "xlstm" or k.startswith("xlstm.")}
+        sys.modules["xlstm"] = None  # import xlstm fails, as where it is not installed
+        sys.modules[name] = module  # (its classes' docstrings are built from the module's file)
+        try:
+            with mock.patch.object(transformers.utils, "is_xlstm_available", lambda: False):
+                spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        finally:
+            del sys.modules["xlstm"]
+            sys.modules.update(package)
+    return sys.modules[name]
+
+
+def transformers_cache(modeling, cache=None) -> dict:
+    """The keyword that hands xLSTMForCausalLM its cache: `cache` from transformers 5.24 on,
+    `cache_params` before."""
+    import inspect
+
+    key = "cache" if "cache" in inspect.signature(modeling.xLSTMForCausalLM.forward).parameters else "cache_params"
+    return {key: cache}
+
+
+def transformers_cache_of(output):
+    """The cache an xLSTMForCausalLM call returned (`cache` or, before 5.24, `cache_params`)."""
+    return output.get("cache", output.get("cache_params"))
+
+
+def transformers_model(B=4, S=2048, quick=False):
+    """transformers' xLSTMForCausalLM at 7B widths (hidden 4096, 8 heads, 4 blocks, vocab 50304),
+    bf16, its in-file mLSTM kernels (the xlstm package hidden): eager (the anchor) against
+    compiled with backend="xaccel"; prefill, train step and one-token decode through its cache."""
+    dims = dict(hidden_size=4096, num_heads=8, num_blocks=4)
+    if quick:
+        dims = dict(hidden_size=1024, num_heads=4, num_blocks=2) if torch.cuda.is_available() else \
+            dict(hidden_size=256, num_heads=2, num_blocks=2)
+    return Case(f"transformers xLSTMForCausalLM {dims['hidden_size']}x{dims['num_blocks']} B{B} S{S} bf16, "
+                "without the xlstm package", B * S, lambda: (dims, B, S), runner="transformers_model")
+
+
+def run_transformers_model_case(case: Case) -> list:
+    """Rows per configuration, as run_model_case: prefill (use_cache=True, as generate() runs it:
+    without a cache transformers' bf16 inference path fails eagerly, its fp32 zero start states
+    meeting bf16 keys), train step (cross-
+    entropy of the logits, backward) and one-token decode at batch 1 and 8 after a 64-token
+    prompt, plain (and, eagerly, also replayed from a CUDA graph)."""
+    (dims, B, S), rows = case.make(), []
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    tokens = torch.randint(0, 50304, (B, S), device=dev)
+    modeling = transformers_xlstm_without_package()
+
+    def add(path, ms, extra="", tokens=None):
+        tokens = tokens or case.flop
+        rows.append(dict(case=case.name, path=path, ms=ms, tflops=tokens / ms / 1e3, extra=extra))
+        print(f"  {path:52s} {ms:9.3f} ms  {tokens / ms:8.1f} k tok/s  {extra}", flush=True)
+
+    print(f"\n{case.name}", flush=True)
+    ro = {"mode": "reduce-overhead"}
+    configs = {  # name: (XACCEL_* set while it compiles, torch.compile kwargs; None: uncompiled)
+        "transformers eager (anchor)": ({}, None),
+        "transformers + xaccel": ({"XACCEL_FALLBACK": "eager"}, {"backend": "xaccel"}),
+        "transformers + xaccel, rest by Inductor": ({"XACCEL_FALLBACK": "inductor"}, {"backend": "xaccel"}),
+        "transformers + xaccel, mode=reduce-overhead": ({"XACCEL_FALLBACK": "eager"}, {"backend": "xaccel", **ro}),
+        "transformers + Inductor, mode=reduce-overhead": ({}, ro),
+    }
+    for name, (env, kwargs) in configs.items():
+        with mock.patch.dict(os.environ, env):
+            _transformers_config_rows(modeling, name, kwargs, dims, dev, tokens, add)
+    return _ratios_to_first(rows)
+
+
+def _transformers_config_rows(modeling, name, compile_kwargs, dims, dev, tokens, add) -> None:
+    """One configuration's rows (those --paths selects; under a torch.compile mode decode only)."""
+    import torch._dynamo
+
+    def wanted(label):
+        if compile_kwargs and "mode" in compile_kwargs and not PATHS and "decode" not in label:
+            return False
+        return re.search(PATHS, f"{name}, {label}") is not None
+
+    def build(mode):
+        cfg = modeling.xLSTMConfig(vocab_size=50304, chunk_size=64, mode=mode, use_cache=False, **dims)
+        torch.manual_seed(0)
+        model = modeling.xLSTMForCausalLM(cfg).to(dev, torch.bfloat16)
+        return model, (model if compile_kwargs is None else torch.compile(model, **compile_kwargs))
+
+    def timed_first(run) -> str:
+        """The first call's time, and what the graphs it compiled replaced."""
+        from torch_xaccel.report import Report, last_report
+
+        before = len(last_report().graphs)
+        t0 = time.perf_counter()
+        run()
+        _sync()
+        first = f"first call {time.perf_counter() - t0:.1f}s"
+        counts = Report(graphs=last_report().graphs[before:]).counts()
+        return first + (f", replaced {({k: v for k, v in counts.items() if v})}" if compile_kwargs else "")
+
+    for label, mode in (("prefill", "inference"), ("train step", "train")):
+        if not wanted(label):
+            continue
+        torch._dynamo.reset()
+        try:
+            model, fn = build(mode)
+            if mode == "inference":
+                model.eval()
+
+                def run():
+                    with torch.inference_mode():
+                        return fn(tokens, use_cache=True).logits
+            else:
+                model.train()
+
+                def run():
+                    model.zero_grad(set_to_none=True)
+                    logits = fn(tokens).logits
+                    F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+            extra = timed_first(run) + (_settle_cutlass(run) if compile_kwargs else "")
+            ms, calls = _bench_calls(run, True)
+            add(f"{name}, {label}", ms, f"{extra}; {len(calls)} timed calls, {min(calls):.1f}-{max(calls):.1f} ms")
+        except Exception as e:  # noqa: BLE001 - a configuration that fails is a finding
+            print(f"  {name}, {label}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+        model = fn = None
+        _empty_cache()
+    for b in (1, 8):
+        if not wanted(f"decode B{b}"):
+            continue
+        torch._dynamo.reset()
+        try:
+            model, fn = build("inference")
+            model.eval()
+            with torch.inference_mode():
+                prompt = fn(torch.randint(0, 50304, (b, 64), device=dev), use_cache=True)
+                cache = transformers_cache_of(prompt)
+                tok = torch.randint(0, 50304, (b, 1), device=dev)
+                kw = dict(use_cache=True, **transformers_cache(modeling, cache))
+
+                def step():
+                    return fn(tok, **kw).logits
+                extra = timed_first(step)
+                add(f"{name}, decode B{b} one token", _bench(step, False), extra, tokens=b)
+                if dev == "cuda" and compile_kwargs is None:
+                    add(f"{name}, decode B{b} one token, CUDA graph", _bench(_graphed(step), False), tokens=b)
+        except Exception as e:  # noqa: BLE001
+            print(f"  {name}, decode B{b}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+        model = fn = None
+        _empty_cache()
+
+
 PATHS = ""  # --paths: a regular expression; the model suite runs only the rows whose label it finds
 
 SUITES = {
@@ -837,8 +1003,9 @@ SUITES = {
                                     skinny_linear(2048 if quick else 16384, train=True)],
     "causal_conv": lambda quick: [causal_conv(2 if quick else 16, 1024),
                                   causal_conv(2 if quick else 16, 1024, train=True)],
-    "model": lambda quick: [xlstm_model(quick=quick) if not quick else
-                            xlstm_model(B=2, S=512 if torch.cuda.is_available() else 128, quick=True)],
+    "model": lambda quick: ([xlstm_model(quick=True, B=2, S=512 if torch.cuda.is_available() else 128),
+                             transformers_model(quick=True, B=2, S=512 if torch.cuda.is_available() else 128)]
+                            if quick else [xlstm_model(), transformers_model()]),
     "mlstm": lambda quick: [mlstm_fwd(8, 16, 2048 if quick else 8192, 128, 128),
                             mlstm_fwd(8, 8, 1024 if quick else 4096, 256, 512),
                             mlstm_decode(1), mlstm_decode(8)],
@@ -1003,7 +1170,8 @@ def main(argv=None) -> int:
         runner = {"mlstm": run_mlstm_case, "model": run_model_case, "decode": run_decode_case,
                   "slstm": run_slstm_case, "slstm_decode": run_slstm_decode_case,
                   "slstm_model": run_slstm_model_case,
-                  "slstm_model_decode": run_slstm_model_decode_case}.get(case.runner)
+                  "slstm_model_decode": run_slstm_model_decode_case,
+                  "transformers_model": run_transformers_model_case}.get(case.runner)
         rows += runner(case) if runner else run_case(case, not args.no_max_autotune)
         _empty_cache()
     if not rows:
