@@ -121,9 +121,10 @@ def test_bf16_model_is_proven_in_fp32_and_replaced(modeling):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bf16_on_cuda_runs_the_kernels_within_the_mlstm_tolerances(modeling, monkeypatch):
     """A bf16 model on CUDA compiled (the mLSTM kernels, chunkwise and step): prefill through the
-    cache, a decode step and a train step against the same (bf16-rounded) weights in fp32 eagerly:
-    logits within 1e-2, the cached states within twice eager bf16's error, parameter gradients
-    within 5e-2."""
+    cache, a decode step and a train step against the same (bf16-rounded) weights in fp32 eagerly.
+    Each quantity may be off the fp32 truth by max(floor, 2x eager bf16's own error): logits and
+    states floor 1e-2, parameter gradients 5e-2. Eager bf16 is the yardstick because the cache
+    holds exponentially weighted sums of bf16-rounded gates (eager itself is ~3e-2 off in C, n)."""
     monkeypatch.setenv("XACCEL_TUNE", "0")  # default configs: first-call tuning would take most of the test's time
     cfg = transformers.xLSTMConfig(vocab_size=97, hidden_size=256, num_heads=4, num_blocks=2, chunk_size=64,
                                    mode="inference", use_cache=True)
@@ -137,7 +138,8 @@ def test_bf16_on_cuda_runs_the_kernels_within_the_mlstm_tolerances(modeling, mon
         out = m(tokens, use_cache=True)
         cache = transformers_cache_of(out)
         states = [t.float().clone() for layer in cache.rnn_state.values() for t in layer]
-        return out.logits.float(), states, m(nxt, use_cache=True, **transformers_cache(modeling, cache)).logits.float()
+        return [out.logits.float(), m(nxt, use_cache=True, **transformers_cache(modeling, cache)).logits.float()] \
+            + states
 
     torch._dynamo.reset()
     with torch.no_grad():
@@ -146,20 +148,36 @@ def test_bf16_on_cuda_runs_the_kernels_within_the_mlstm_tolerances(modeling, mon
             got = prefill_and_step(torch.compile(model, backend="xaccel"))
     counts = Report(graphs).counts()
     assert counts["mlstm"] == 2 and counts["mlstm_step"] == 2, str(Report(graphs))
-    assert rel_err(got[0], want[0]) <= 1e-2 and rel_err(got[2], want[2]) <= 1e-2
-    # the cache holds bf16 states, exponentially weighted sums of bf16-rounded gates: eager bf16
-    # itself is ~3e-2 from fp32 in C and n, so the kernels' states get twice eager's error
-    for ours, theirs, truth in zip(got[1], eager[1], want[1]):
-        assert rel_err(ours, truth) <= max(1e-2, 2 * rel_err(theirs, truth))
+    _within_twice_eager("inference (logits, decode logits, states)", got, eager, want, floor=1e-2)
 
     for m in (model, ref):
         m.config.mode = "train"
         m.train()
     labels = torch.randint(0, 97, (2, 128), device="cuda", generator=g)
+
+    def grads(m, params):
+        for p in params:
+            p.grad = None
+        F.cross_entropy(m(tokens, use_cache=False).logits.float().flatten(0, 1), labels.flatten()).backward()
+        return [p.grad.float().clone() for p in params if p.grad is not None]
+
     torch._dynamo.reset()
+    want = grads(ref, list(ref.parameters()))
+    try:
+        eager = grads(model, list(model.parameters()))
+    except RuntimeError:  # the xlstm package's native chunkwise mixes fp32 and bf16 in training
+        eager = None
     with collect() as graphs:
-        for m in (ref, torch.compile(model, backend="xaccel")):
-            F.cross_entropy(m(tokens, use_cache=False).logits.float().flatten(0, 1), labels.flatten()).backward()
+        got = grads(torch.compile(model, backend="xaccel"), list(model.parameters()))
     assert Report(graphs).counts()["mlstm"] == 2, str(Report(graphs))
-    errs = [rel_err(p.grad.float(), r.grad) for p, r in zip(model.parameters(), ref.parameters()) if r.grad is not None]
-    assert errs and max(errs) <= 5e-2, errs
+    assert len(got) == len(want) > 0
+    _within_twice_eager("parameter gradients", got, eager, want, floor=5e-2)
+
+
+def _within_twice_eager(what, got, eager, want, floor):
+    """eager None: eager bf16 does not run; the floor alone bounds."""
+    eager = [None] * len(want) if eager is None else eager
+    errs = [(rel_err(a, t), 0.0 if e is None else rel_err(e, t)) for a, e, t in zip(got, eager, want, strict=True)]
+    bad = [(i, f"{ours:.2e}", f"{theirs:.2e}") for i, (ours, theirs) in enumerate(errs)
+           if not ours <= max(floor, 2 * theirs)]
+    assert not bad, f"{what}: (index, xaccel error, eager bf16 error) over the bound: {bad}; all: {errs}"
