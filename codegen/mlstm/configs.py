@@ -153,13 +153,20 @@ SPLIT2 = dict(L=64, BV=64, BK=64, BVS=128, warps=4, stages=2, DKS=128)
 # configs: spill counts there do not predict Triton 3.6's speed on the GPU.
 
 
+SPLIT_MIN_DK = 64
+# Below this DQK, Triton 3.6 on sm_90 miscompiles the split dq/dk kernel (mlstm_bwd_dqdk) in
+# bf16 and fp16: at DQK 32, S 128 dk is ~100 % off (dq ~100 % off when dk's intra dot is taken in
+# fp32 instead), and some variants fault on an illegal address; the interpreter computes it right.
+# The single per-chunk kernel and dv split off alone are right there (tests/mlstm/test_gpu_kernels).
+
+
 def backward_candidates(DK: int, DV: int, itemsize: int = 2, kept: bool = False) -> list[dict]:
     """Same keys, plus DVS (dv in its own kernel, one program per chunk and DVS-wide DV tile)
     and DKS (dq and dk in theirs, one program per chunk and DKS-wide DK tile; without DVS, SPLIT2).
     kept: the backward reads the forward's kept chunk-64 states (no scan of its own). In bf16/fp16
-    below DQK 512 the first is SPLIT2 (the fastest at both benchmark shapes), then SPLIT3 and its
-    DVS 128 variant (the runners-up), then the single per-chunk kernel (chunk 64, DV tile 32),
-    which stays the tuner's agreement reference. At DQK 512 that kernel's L64 x BV32 asks 290 KB
+    from DQK 64 (SPLIT_MIN_DK) below 512 the first is SPLIT2 (the fastest at both benchmark
+    shapes), then SPLIT3 and its DVS 128 variant (the runners-up), then the single per-chunk
+    kernel (chunk 64, DV tile 32), which stays the tuner's agreement reference. At DQK 512 that kernel's L64 x BV32 asks 290 KB
     of shared memory on sm_90 (over the 227 KB limit), and so does SPLIT2's dv-and-dS kernel
     (245760 B: q and k [L, DQK] beside v and dh); chunks of 32 and 16 fit the single kernel, but
     cannot read kept chunk-64 states. So at DQK 512 with kept states SPLIT3 alone (DVS 128 first,
@@ -173,7 +180,7 @@ def backward_candidates(DK: int, DV: int, itemsize: int = 2, kept: bool = False)
             return fitted(split, DK, DV)
         base = dict(L=32, BV=64, BK=64, BVS=128, warps=8, stages=2)
         return fitted([base, dict(base, L=16, warps=4)] + split, DK, DV)
-    split = [SPLIT2, SPLIT3, dict(SPLIT3, DVS=128)] if itemsize <= 2 else []
+    split = [SPLIT2, SPLIT3, dict(SPLIT3, DVS=128)] if itemsize <= 2 and DK >= SPLIT_MIN_DK else []
     base = dict(L=64, BV=32, BK=64, BVS=128, warps=8, stages=2)
     return fitted(split + [base, dict(base, warps=4), dict(base, BV=64, DVS=64)], DK, DV)
 

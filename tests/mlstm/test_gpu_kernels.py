@@ -280,6 +280,30 @@ def test_backward_kernel_matches_analytic_backward(B, H, S, DK, DV, with_state):
     _assert_grads_close(mlstm_triton.backward(None, *cots, *x, *st, 1e-6, 64, h, [*kept, C, n, m]), want, *st[:2])
 
 
+@pytest.mark.parametrize("DK,DV,S", [(16, 64, 128), (32, 64, 128), (32, 64, 200), (64, 64, 128), (128, 128, 256)])
+def test_backward_candidates_at_small_heads_in_a_models_layouts(DK, DV, S):
+    """Every backward candidate (the default first) as transformers' xLSTM hands the op its
+    tensors: q, k, v, dh and the bf16 gates all transposed ([B, S, H, ...] seen as [B, H, ...]),
+    zero fp32 start states, S a multiple of 16 (which Triton specializes on) and not."""
+    from torch_xaccel.codegen.mlstm import configs as mlstm_configs, triton_kernels as mlstm_triton
+    from torch_xaccel.ops.mlstm.reference_backward import backward as analytic
+
+    torch.manual_seed(DK + S)
+    B, H = 2, 4
+    tr = lambda *d: torch.randn(B, S, H, *d, device="cuda").transpose(1, 2).bfloat16()  # noqa: E731
+    x = [tr(DK), tr(DK), tr(DV), tr(), tr() + 3]
+    st = [torch.zeros(B, H, DK, DV, device="cuda"), torch.zeros(B, H, DK, device="cuda"),
+          torch.zeros(B, H, device="cuda")]
+    dh = tr(DV)
+    zeros = [torch.zeros_like(t) for t in st]
+    want = analytic(dh.double(), *(t.double() for t in zeros), *(t.double() for t in x + st))
+    h = mlstm_triton.forward(None, *x, *st, 1e-6, 64)[0]
+    for cfg in mlstm_configs.backward_candidates(DK, DV):
+        got = mlstm_triton._backward(cfg, dh, *zeros, *x, *st, 1e-6, h)
+        bad = [j for j, (g, w) in enumerate(zip(got[:7], want[:7])) if not rel_err(g, w) <= 5e-2]
+        assert not bad, (cfg, [f"{rel_err(got[j], want[j]):.2e}" for j in bad])
+
+
 @pytest.mark.parametrize("dtype,with_state", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, True)])
 def test_backward_with_input_gates_past_fp32_exp_range(dtype, with_state):
     """Input gates around +95 (states ~e^95, their true gradients ~e^-95): the kernels' stabilized

@@ -259,8 +259,8 @@ def test_candidates_fit_shared_memory_per_dtype():
 
 def test_backward_candidate_rules():
     """The split backward (SPLIT2, the bf16 default, and SPLIT3): tiles that divide the head dims;
-    not offered in fp32 (not timed there); at DQK 512 (SPLIT3 only: SPLIT2 exceeds shared memory
-    there) reading kept states the only candidates, all at chunk 64 (the forward's kept states);
+    not offered below DQK 64 nor in fp32 (not timed there); at DQK 512 (SPLIT3 only: SPLIT2 exceeds
+    shared memory there) reading kept states the only candidates, all at chunk 64 (the forward's kept states);
     at DQK 512 without them (a padded head) timed after the single per-chunk kernel at chunk 32,
     the one that fits there."""
     from torch_xaccel.codegen.mlstm import configs as mlstm_configs
@@ -281,6 +281,9 @@ def test_backward_candidate_rules():
                     assert not c.get("DVS") or DV % c["DVS"] == 0, c
                     assert not (c.get("DKS") and size > 2), (DK, DV, size, c)
     assert any(c.get("DKS") and not c.get("DVS") for c in mlstm_configs.backward_candidates(128, 128))  # SPLIT2
+    # below DQK 64 no split dq/dk kernel (Triton 3.6 miscompiles it there: configs.SPLIT_MIN_DK)
+    assert not any(c.get("DKS") for DK in (16, 32) for DV in (32, 64, 128) for kept in (False, True)
+                   for c in mlstm_configs.backward_candidates(DK, DV, 2, kept))
 
 
 def test_kernels_read_transposed_inputs_in_place(monkeypatch):
