@@ -161,13 +161,13 @@ SPLIT_MIN_DK = 64
 
 
 def backward_candidates(DK: int, DV: int, itemsize: int = 2, kept: bool = False) -> list[dict]:
-    """Same keys, plus DVS (dv in its own kernel, one program per chunk and DVS-wide DV tile)
-    and DKS (dq and dk in theirs, one program per chunk and DKS-wide DK tile; without DVS, SPLIT2).
-    kept: the backward reads the forward's kept chunk-64 states (no scan of its own). In bf16/fp16
-    from DQK 64 (SPLIT_MIN_DK) below 512 the first is SPLIT2 (the fastest at both benchmark
-    shapes), then SPLIT3 and its DVS 128 variant (the runners-up), then the single per-chunk
-    kernel (chunk 64, DV tile 32), which stays the tuner's agreement reference. At DQK 512 that kernel's L64 x BV32 asks 290 KB
-    of shared memory on sm_90 (over the 227 KB limit), and so does SPLIT2's dv-and-dS kernel
+    """Same keys, plus DVS (dv in its own kernel, one program per chunk and DVS-wide DV tile) and DKS (dq
+    and dk in theirs, one program per chunk and DKS-wide DK tile; without DVS, SPLIT2). kept: the
+    backward reads the forward's kept chunk-64 states (no scan of its own). In bf16/fp16 from DQK 64
+    (SPLIT_MIN_DK) below 512 the first is SPLIT2 (the fastest at both benchmark shapes), then SPLIT3
+    and its DVS 128 variant (the runners-up), then the single per-chunk kernel (chunk 64, DV tile
+    32), which stays the tuner's agreement reference. At DQK 512 that kernel's L64 x BV32 asks 290
+    KB of shared memory on sm_90 (over the 227 KB limit), and so does SPLIT2's dv-and-dS kernel
     (245760 B: q and k [L, DQK] beside v and dh); chunks of 32 and 16 fit the single kernel, but
     cannot read kept chunk-64 states. So at DQK 512 with kept states SPLIT3 alone (DVS 128 first,
     both at chunk 64), without them (a padded head, whose states are not kept) the chunk-32 kernel
