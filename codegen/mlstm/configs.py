@@ -155,9 +155,9 @@ SPLIT2 = dict(L=64, BV=64, BK=64, BVS=128, warps=4, stages=2, DKS=128)
 
 SPLIT_MIN_DK = 64
 # Below this DQK, Triton 3.6 on sm_90 miscompiles the split dq/dk kernel (mlstm_bwd_dqdk) in
-# bf16 and fp16: at DQK 32, S 128 dk is ~100 % off (dq ~100 % off when dk's intra dot is taken in
-# fp32 instead), and some variants fault on an illegal address; the interpreter computes it right.
-# The single per-chunk kernel and dv split off alone are right there (tests/mlstm/test_gpu_kernels).
+# bf16 and fp16 (wrong dk, or dq when dk's dot is rewritten; some variants fault on an illegal
+# address), while the interpreter computes it right; the single per-chunk kernel and dv split off
+# alone are right there (tests/mlstm/test_gpu_kernels).
 
 
 def backward_candidates(DK: int, DV: int, itemsize: int = 2, kept: bool = False) -> list[dict]:

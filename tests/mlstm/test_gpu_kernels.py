@@ -292,10 +292,10 @@ def test_backward_candidates_at_small_heads_in_a_models_layouts(DK, DV, S):
     B, H = 2, 4
     tr = lambda *d: torch.randn(B, S, H, *d, device="cuda").transpose(1, 2).bfloat16()  # noqa: E731
     x = [tr(DK), tr(DK), tr(DV), tr(), tr() + 3]
-    st = [torch.zeros(B, H, DK, DV, device="cuda"), torch.zeros(B, H, DK, device="cuda"),
-          torch.zeros(B, H, device="cuda")]
+    # zero start states, and zero gradients of the final states (only dh flows in)
+    st = zeros = [torch.zeros(B, H, DK, DV, device="cuda"), torch.zeros(B, H, DK, device="cuda"),
+                  torch.zeros(B, H, device="cuda")]
     dh = tr(DV)
-    zeros = [torch.zeros_like(t) for t in st]
     want = analytic(dh.double(), *(t.double() for t in zeros), *(t.double() for t in x + st))
     h = mlstm_triton.forward(None, *x, *st, 1e-6, 64)[0]
     for cfg in mlstm_configs.backward_candidates(DK, DV):

@@ -260,9 +260,9 @@ def test_candidates_fit_shared_memory_per_dtype():
 def test_backward_candidate_rules():
     """The split backward (SPLIT2, the bf16 default, and SPLIT3): tiles that divide the head dims;
     not offered below DQK 64 nor in fp32 (not timed there); at DQK 512 (SPLIT3 only: SPLIT2 exceeds
-    shared memory there) reading kept states the only candidates, all at chunk 64 (the forward's kept states);
-    at DQK 512 without them (a padded head) timed after the single per-chunk kernel at chunk 32,
-    the one that fits there."""
+    shared memory there) reading kept states the only candidates, all at chunk 64 (the forward's
+    kept states); at DQK 512 without them (a padded head) timed after the single per-chunk kernel
+    at chunk 32, the one that fits there."""
     from torch_xaccel.codegen.mlstm import configs as mlstm_configs
 
     assert (mlstm_configs.backward_candidates(128, 128)[0] == mlstm_configs.SPLIT2
