@@ -327,6 +327,8 @@ def run_decode_case(case: Case) -> list:
     print(f"\n{case.name}", flush=True)
     step = lambda: torch.ops.xaccel.mlstm_step(*x, *state, 1e-6, True)  # noqa: E731
     add("xaccel step", _bench(step, False))
+    from torch_xaccel.ops.mlstm.op import run_step  # what a compiled graph calls, past the dispatcher
+    add("xaccel step, direct call (compiled graphs)", _bench(lambda: run_step(*x, *state, 1e-6, True), False))
     graph = torch.cuda.CUDAGraph()
     step()
     with torch.cuda.graph(graph):
