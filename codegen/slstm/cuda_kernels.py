@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from torch_xaccel import runtime
+from torch_xaccel.ops.slstm import reference, reference_backward
 
 from .. import cache, tuning
 from ..render import CSRC, Templates
@@ -117,17 +118,17 @@ def plan(Wx) -> tuple[str, int | None] | str:
     """(exchange, max_group) of this case's kernels, or why none runs (for the report). Clusters
     where the head fits one (sm_90); else a cooperative grid of one CTA per SM: max_group is how
     many CTAs each (head, batch tile) group may have."""
-    return _plan(Wx.shape[0], Wx.shape[3], Wx.shape[-1], torch.cuda.get_device_capability(Wx.device),
-                 _sm_count(Wx.device))
+    return _plan(Wx.shape[0], Wx.shape[3], Wx.shape[-1], Wx.element_size(),
+                 torch.cuda.get_device_capability(Wx.device), _sm_count(Wx.device))
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(B: int, NH: int, D: int, capability: tuple, sms: int):
+def _plan(B: int, NH: int, D: int, itemsize: int, capability: tuple, sms: int):
     """plan() per shape and device: a call asks several times (forward, tuning, backward)."""
-    if capability >= (9, 0) and configs.default(D) is not None:
+    if capability >= (9, 0) and configs.default(D, itemsize=itemsize) is not None:
         return "cluster", None
     groups = NH * math.ceil(B / configs.BT)
-    if configs.default(D, "global", sms // groups) is not None:
+    if configs.default(D, "global", sms // groups, itemsize) is not None:
         return "global", sms // groups
     return (f"head dim {D} at B{B} NH{NH}: R fits neither one cluster nor {groups} group(s) of "
             f"CTAs, one per SM, on the {sms} SMs")
@@ -202,11 +203,12 @@ def launch(cfg: dict, Wx, R, b, h0, c0, n0, m0, first_fresh, fresh, clamp_gates,
             out.copy_(s) if s is not None else out.zero_()
         return (y, *finals, *kept) if save else (y, *finals)
     flag = first_fresh if isinstance(first_fresh, torch.Tensor) else None
-    exchange = _exchange_buffer(Wx, cfg, 2 * configs.BT * D * 2)  # h_t double buffered, 16-bit
+    exchange = _exchange_buffer(Wx, cfg, 2 * configs.BT * D * Wx.element_size())  # h_t double buffered
     _run("forward", cfg, Wx, fresh, clamp_gates, clamp_n, save,
          _ptr(Wx), Wx.stride(0), Wx.stride(1), _ptr(R), _ptr(b), _ptr(h0), _ptr(c0), _ptr(n0), _ptr(m0), _ptr(flag),
          _int(0 if flag is not None else int(first_fresh)), _ptr(y), *(_ptr(f) for f in finals), _ptr(kept[0]),
-         _ptr(kept[1]), _int(B), _int(T), *(_ptr(t) for t in exchange), shared=configs.forward_shared_bytes(D, cfg))
+         _ptr(kept[1]), _int(B), _int(T), *(_ptr(t) for t in exchange),
+         shared=configs.forward_shared_bytes(D, cfg, Wx.element_size()))
     return (y, *finals, *kept) if save else (y, *finals)
 
 
@@ -220,8 +222,8 @@ def _takes(Wx, R, b) -> str | None:
     """None when a kernel covers the case, else why not (for the report)."""
     if not Wx.is_cuda:
         return "not a CUDA tensor"
-    if Wx.dtype not in configs.DTYPES:
-        return f"{Wx.dtype} (the sequence kernels take bf16 and fp16)"
+    if Wx.dtype not in configs.ENABLED_DTYPES:
+        return f"{Wx.dtype} (the sequence kernels run bf16 and fp16)"
     if R.dtype != Wx.dtype:
         return f"R is {R.dtype}, Wx {Wx.dtype}"
     why = available()
@@ -232,10 +234,11 @@ def _takes(Wx, R, b) -> str | None:
 
 
 def _aligned(Wx):
-    """Wx with its [4, NH, D] part dense and the batch and time strides even (32-bit loads)."""
+    """Wx with its [4, NH, D] part dense and the batch and time strides even (each thread loads two
+    adjacent units: 32 bits, 64 in fp32)."""
     _, _, _, NH, D = Wx.shape
     ok = Wx.stride()[2:] == (NH * D, D, 1) and Wx.stride(0) % 2 == 0 and Wx.stride(1) % 2 == 0 \
-        and Wx.data_ptr() % 4 == 0
+        and Wx.data_ptr() % (2 * Wx.element_size()) == 0
     return Wx if ok else Wx.contiguous()
 
 
@@ -255,7 +258,7 @@ def _first_fresh(fresh, n0):
 def _tuned_config(key, Wx, run):
     D = Wx.shape[-1]
     exchange, max_group = plan(Wx)
-    cands = configs.candidates(D, exchange, max_group)
+    cands = configs.candidates(D, exchange, max_group, Wx.element_size())
     parts = f"fwd|D{D}|NH{Wx.shape[3]}|B{Wx.shape[0]}|T{min(Wx.shape[1], 256)}|{Wx.dtype}|{exchange}|{key[7:]}"
     tkey = tuning.key("slstm", parts, Wx.device, TEMPLATES.digest)
 
@@ -270,8 +273,8 @@ def _tuned_config(key, Wx, run):
     def valid(entry):
         return isinstance(entry, dict) and entry.get("config") in cands
 
-    return tuning.decide(tkey, untimed=configs.default(D, exchange, max_group), valid=valid, tune=tune,
-                         memo=_DECISIONS).config
+    return tuning.decide(tkey, untimed=configs.default(D, exchange, max_group, Wx.element_size()), valid=valid,
+                         tune=tune, memo=_DECISIONS).config
 
 
 _DECISIONS: dict = {}
@@ -291,7 +294,38 @@ def forward(key, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n, save=Fal
     runtime.record_choice(key, "slstm_saving" if save else "slstm",
                           f"B{Wx.shape[0]} T{Wx.shape[1]} NH{Wx.shape[3]} D{Wx.shape[4]}",
                           _described(cfg))
+    head = Wx[:, :CHECK_STEPS]
+    if head.shape[1]:
+        _self_check("forward", key, cfg, Wx.dtype,
+                    lambda: launch(cfg, head, R, b, *states, first_fresh, fresh, clamp_gates, clamp_n),
+                    lambda: reference.forward(head, R, b, *states, fresh, clamp_gates, clamp_n))
     return launch(cfg, Wx, R, b, *states, first_fresh, fresh, clamp_gates, clamp_n, save=save)
+
+
+CHECK_STEPS = 16
+# norm-relative error a kernel may show against the reference on its first CHECK_STEPS steps
+# (16-bit: h and the products rounded to 16 bits; fp32: 3xTF32 products and fast exp/tanh)
+CHECK_TOLERANCE = {"forward": {2: 2e-2, 4: 1e-4}, "backward": {2: 5e-2, 4: 2e-4}}
+_AGREED: set = set()
+
+
+def _self_check(kind: str, key, cfg: dict, dtype, kernel, want) -> None:
+    """At a case's first call in this process (outside a CUDA-graph capture), the kernel on the
+    sequence's first steps against the reference: a kernel that disagrees (a miscompile, a GPU
+    the kernels were never run on) raises, and the runtime reports it and runs the reference."""
+    mark = (kind, key, tuple(sorted(cfg.items())))
+    if mark in _AGREED or tuning.capturing():
+        return
+    tol = CHECK_TOLERANCE[kind][dtype.itemsize]
+    for i, (g, w) in enumerate(zip(kernel(), want())):
+        if g is None or w is None:
+            continue
+        scale = w.double().norm()
+        err = ((g.double() - w.double()).norm() / scale).item() if scale > 0 else g.double().norm().item()
+        if not err <= tol:
+            raise RuntimeError(f"the {kind} kernel ({_described(cfg)}) disagrees with the reference on the first "
+                               f"{CHECK_STEPS} steps: output {i} off by {err:.1e} (tolerance {tol:.0e})")
+    _AGREED.add(mark)
 
 
 def _described(cfg: dict) -> str:
@@ -304,9 +338,9 @@ def _backward_config(Wx) -> dict | None:
     chosen = plan(Wx)
     if isinstance(chosen, str):
         return None
-    D = Wx.shape[-1]
-    return configs.backward_default(D, *chosen) or configs.backward_default(D, "global", _sm_count(Wx.device)
-                                                                             // _groups(Wx))
+    D, itemsize = Wx.shape[-1], Wx.element_size()
+    return configs.backward_default(D, *chosen, itemsize) or \
+        configs.backward_default(D, "global", _sm_count(Wx.device) // _groups(Wx), itemsize)
 
 
 def forward_saving(key, *args):
@@ -319,7 +353,25 @@ def _prepared(Wx, R, b, states):
                                                                     for s in states]
 
 
-def backward(key, gy, ghT, gcT, gnT, gmT, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n, y, kept):
+def _check_backward(key, cfg, Wx, R, b, states, first_fresh, fresh, clamp_gates, clamp_n) -> None:
+    """_self_check of the backward: every gradient of the first steps under a random output
+    gradient, against the reference backward."""
+    head = Wx[:, :CHECK_STEPS]
+    g = torch.Generator(device=Wx.device).manual_seed(0)
+    gy = torch.randn(head.shape[0], head.shape[1], *head.shape[3:], device=Wx.device, generator=g).to(Wx.dtype)
+
+    def kernel():
+        W, Rc, bc, prepared = _prepared(head, R, b, states)
+        y = launch(configs.default(Wx.shape[-1], *plan(Wx), Wx.element_size()), W, Rc, bc, *prepared, first_fresh,
+                   fresh, clamp_gates, clamp_n)[0]
+        return backward(key, gy, None, None, None, None, head, R, b, *states, fresh, clamp_gates, clamp_n, y, None,
+                        checked=True)
+    _self_check("backward", key, cfg, Wx.dtype, kernel, lambda: reference_backward.backward(
+        gy, None, None, None, None, head, R, b, *states, fresh, clamp_gates, clamp_n))
+
+
+def backward(key, gy, ghT, gcT, gnT, gmT, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n, y, kept,
+             checked=False):
     """Kernel path for xaccel::slstm_backward: the reverse-time cluster kernel for dWx and the
     initial states' gradients, then dR and db as reductions of dWx (one GEMM, one sum)."""
     D = Wx.shape[-1]
@@ -330,10 +382,12 @@ def backward(key, gy, ghT, gcT, gnT, gmT, Wx, R, b, h0, c0, n0, m0, fresh, clamp
         return NotImplemented
     B, T, _, NH, _ = Wx.shape
     W, Rc, bc, states = _prepared(Wx, R, b, (h0, c0, n0, m0))
+    if not checked and T > 0:
+        _check_backward(key, cfg, Wx, R, b, (h0, c0, n0, m0), first_fresh, fresh, clamp_gates, clamp_n)
     if kept:
         raw, cnm = kept
     else:  # an op called outside a training graph: run the forward again, keeping what the kernel reads
-        fcfg = configs.default(D, *plan(Wx))
+        fcfg = configs.default(D, *plan(Wx), Wx.element_size())
         raw, cnm = launch(fcfg, W, Rc, bc, *states, first_fresh, fresh, clamp_gates, clamp_n, save=True)[5:]
     dWx = Wx.new_empty(B, T, 4, NH, D)
     has_state = h0 is not None
@@ -349,7 +403,7 @@ def backward(key, gy, ghT, gcT, gnT, gmT, Wx, R, b, h0, c0, n0, m0, fresh, clamp
              _ptr(raw), _ptr(cnm), _ptr(Rc), *(_ptr(s) for s in states[1:]), _ptr(flag),
              _int(0 if flag is not None else int(first_fresh)), _ptr(dy), *(_ptr(f) for f in finals), _ptr(dWx),
              *(_ptr(g) for g in state_grads), _int(B), _int(T), *(_ptr(t) for t in exchange),
-             shared=configs.backward_shared_bytes(D, cfg["U"], cfg["NW"], cfg["STAGES"], share))
+             shared=configs.backward_shared_bytes(D, cfg["U"], cfg["NW"], cfg["STAGES"], share, Wx.element_size()))
     else:
         dWx.zero_()
         for g, f in zip(state_grads, finals):
@@ -378,7 +432,7 @@ def _weight_gradient(dWx, h_prev):
 def backward_reads_kept_states(Wx, R) -> bool:
     """Whether a training graph's xaccel.slstm should keep its per-step states: the backward
     kernel runs for this case (a CUDA device it runs on, the dtype and shape it takes)."""
-    return Wx.device.type == "cuda" and Wx.dtype in configs.DTYPES and R.dtype == Wx.dtype \
+    return Wx.device.type == "cuda" and Wx.dtype in configs.ENABLED_DTYPES and R.dtype == Wx.dtype \
         and available() is None and _backward_config(Wx) is not None
 
 

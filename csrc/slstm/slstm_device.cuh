@@ -1,6 +1,6 @@
 // Device helpers for the sLSTM kernels (built at run time with NVRTC; no CUDA headers needed):
-// 16-bit float conversions, the m16n8k16 tensor-core MMA, and the Hopper thread-block-cluster
-// primitives (distributed shared memory stores, the cluster barrier).
+// 16-bit float conversions, the m16n8k16 tensor-core MMA (and 3xTF32 m16n8k8 products for fp32), and
+// the Hopper thread-block-cluster primitives (distributed shared memory stores, the cluster barrier).
 #pragma once
 
 typedef unsigned short u16;
@@ -46,6 +46,63 @@ __device__ __forceinline__ void mma_16816(float* acc, const u32* a, const u32* b
                  : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 #endif
+}
+
+// ---- fp32 products on tensor cores: 3xTF32 ------------------------------------------------------
+// x = big + small, each a TF32 value (10 explicit mantissa bits): big * big + big * small + small *
+// big recovers the fp32 product to about 2^-21 relative (small * small is below that), so an fp32
+// sequence keeps fp32's precision in its recurrent products where one TF32 MMA would lose 13 bits.
+__device__ __forceinline__ u32 to_tf32(float x) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+__device__ __forceinline__ void split_tf32(float x, u32& big, u32& small) {
+    big = to_tf32(x);
+    small = to_tf32(x - __uint_as_float(big));
+}
+
+// the same, split anew where it is used: volatile, so that the compiler does not hoist the split
+// of loop-invariant values (R's fragments) out of the time loop, which would hold both halves of R
+// in registers for the whole sequence (twice its registers: spills)
+__device__ __forceinline__ void split_tf32_here(float x, u32& big, u32& small) {
+    asm volatile("cvt.rna.tf32.f32 %0, %1;" : "=r"(big) : "f"(x));
+    const float rest = x - __uint_as_float(big);
+    asm volatile("cvt.rna.tf32.f32 %0, %1;" : "=r"(small) : "f"(rest));
+}
+
+// acc[4] += A (16x8, row-major fragment a[4]) * B (8x8, column fragment b[2]), TF32 in, fp32 accumulate
+__device__ __forceinline__ void mma_1688_tf32(float* acc, const u32* a, const u32* b) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// the m16n8k8 A fragment of fp32 values a (row g, g + 8 at column t; the same at column t + 4),
+// split into its TF32 halves once for every B fragment it meets
+struct SplitA {
+    u32 big[4], small[4];
+};
+
+__device__ __forceinline__ SplitA split_a(float a0, float a1, float a2, float a3) {
+    SplitA s;
+    split_tf32(a0, s.big[0], s.small[0]);
+    split_tf32(a1, s.big[1], s.small[1]);
+    split_tf32(a2, s.big[2], s.small[2]);
+    split_tf32(a3, s.big[3], s.small[3]);
+    return s;
+}
+
+// acc[4] += A * B in fp32 precision (3xTF32): b0, b1 the fp32 B fragment (rows t and t + 4)
+__device__ __forceinline__ void mma_3xtf32(float* acc, const SplitA& a, float b0, float b1) {
+    u32 bb[2], bs[2];
+    split_tf32_here(b0, bb[0], bs[0]);
+    split_tf32_here(b1, bb[1], bs[1]);
+    mma_1688_tf32(acc, a.small, bb);  // the small terms first: they are lost last in the fp32 sum
+    mma_1688_tf32(acc, a.big, bs);
+    mma_1688_tf32(acc, a.big, bb);
 }
 
 // ---- thread-block clusters ---------------------------------------------------------------------
@@ -100,6 +157,12 @@ __device__ __forceinline__ float sigmoid(float x) {
 __device__ __forceinline__ void copy_async_u32(u32* dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
                  :: "r"(shared_address(dst)), "l"(src), "r"(valid ? 4 : 0) : "memory");
+}
+
+// 8 bytes (8-byte aligned on both sides), zeros where !valid
+__device__ __forceinline__ void copy_async_u64(uint2* dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;"
+                 :: "r"(shared_address(dst)), "l"(src), "r"(valid ? 8 : 0) : "memory");
 }
 
 __device__ __forceinline__ void copy_async_commit() {

@@ -1,7 +1,8 @@
 """The sLSTM kernels on the GPU against the fp32 reference (bf16 / fp16 inputs): forward relative
 error <= 1e-2 (inputs, R and h rounded to 16 bits, fp32 state math) over the head shapes the
 issue names, odd T, batch sizes that do not fill a tile, initial states and every variant; both
-exchanges (clusters, and the global one that head dim 768 and GPUs without clusters take)."""
+exchanges (clusters, and the global one that head dim 768 and GPUs without clusters take).
+fp32 inputs (3xTF32 products) against the float64 reference: FP32_TOL."""
 import pytest
 import torch
 
@@ -10,6 +11,11 @@ from torch_xaccel.codegen.slstm import cuda_kernels
 from torch_xaccel.ops.slstm import reference
 
 pytestmark = pytest.mark.gpu
+SHAPES = [(4, 192), (1, 768), (4, 256), (8, 128), (12, 64)]  # (NH, D) the issue names
+# fp32 against float64, norm-relative: the fp32 reference itself is ~1e-6 off float64 here; the
+# kernels' fast exp / tanh / division and 3xTF32 products (2^-21 per product) stay within a few
+# times that, while one TF32 product (2^-11) or a 16-bit h would be 1e-4 and more off
+FP32_TOL = 2e-5
 
 
 def _rel(a, b):
@@ -28,7 +34,7 @@ def _inputs(B, T, NH, D, dtype, state=False, seed=0):
     return Wx, R, b, states
 
 
-@pytest.mark.parametrize("NH,D", [(4, 192), (1, 768), (4, 256), (8, 128), (12, 64)])
+@pytest.mark.parametrize("NH,D", SHAPES)
 @pytest.mark.parametrize("B,T", [(16, 37), (5, 64), (33, 9)])
 def test_forward_matches_reference(NH, D, B, T):
     Wx, R, b, states = _inputs(B, T, NH, D, torch.bfloat16)
@@ -85,7 +91,7 @@ def _grads(fn, inputs, out_grads):
     return torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs])
 
 
-@pytest.mark.parametrize("NH,D", [(4, 192), (1, 768), (4, 256), (8, 128), (12, 64)])
+@pytest.mark.parametrize("NH,D", SHAPES)
 @pytest.mark.parametrize("variant", [("batch", True, False), ("element", False, True)])
 @pytest.mark.parametrize("saving", [False, True])
 def test_backward_kernel_matches_reference(NH, D, variant, saving):
@@ -166,3 +172,66 @@ def test_global_exchange_forward_and_backward(global_exchange, dtype):
     y = torch.ops.xaccel.slstm(Wx, R, b, *states, *variant)
     for a, w in zip(y, reference.forward(Wx, R.float(), b, *states, *variant)):
         assert _rel(a, w) < 1e-2
+
+
+def _float64(*tensors):
+    return [None if t is None else t.double() for t in tensors]
+
+
+@pytest.fixture(autouse=True)
+def fp32_enabled(monkeypatch):
+    """The fp32 kernels run here whether or not the runtime enables them (configs.ENABLED_DTYPES)."""
+    from torch_xaccel.codegen.slstm import configs
+
+    monkeypatch.setattr(configs, "ENABLED_DTYPES", (*configs.ENABLED_DTYPES, torch.float32))
+
+
+@pytest.mark.parametrize("NH,D", SHAPES)
+@pytest.mark.parametrize("B,T", [(16, 37), (5, 64)])  # fp32 at D768 holds one batch tile's R per group of SMs
+def test_fp32_forward_matches_float64_reference(NH, D, B, T):
+    Wx, R, b, states = _inputs(B, T, NH, D, torch.float32, state=True, seed=11)
+    assert cuda_kernels.why_not(Wx, R, b) is None
+    variant = ("batch", True, False)
+    events = len(runtime.EVENTS)
+    got = torch.ops.xaccel.slstm(Wx, R, b, *states, *variant)
+    assert len(runtime.EVENTS) == events, runtime.EVENTS[-1]
+    want = reference.forward(*_float64(Wx, R, b, *states), *variant)
+    fp32 = reference.forward(Wx, R, b, *states, *variant)
+    for name, g, w, r in zip(["y", "h", "c", "n", "m"], got, want, fp32):
+        assert _rel(g, w) < FP32_TOL, (name, _rel(g, w), "fp32 reference", _rel(r, w))
+
+
+@pytest.mark.parametrize("NH,D", SHAPES)
+@pytest.mark.parametrize("variant", [("batch", True, False), ("element", False, True)])
+def test_fp32_backward_matches_float64_reference(NH, D, variant):
+    B, T = 5, 23
+    Wx, R, b, states = _inputs(B, T, NH, D, torch.float32, state=True, seed=12)
+    if variant[2]:
+        states[2] = states[2] + 0.5
+    g = torch.Generator(device="cuda").manual_seed(13)
+    out_grads = [torch.randn(B, T, NH, D, device="cuda", generator=g)] + \
+        [torch.randn(B, NH, D, device="cuda", generator=g) * .1 for _ in range(4)]
+    events = len(runtime.EVENTS)
+    got = _grads(lambda *t: torch.ops.xaccel.slstm_saving(*t, *variant)[:5], (Wx, R, b, *states), out_grads)
+    assert len(runtime.EVENTS) == events, runtime.EVENTS[-1]
+    want = _grads(lambda *t: reference.forward(*t, *variant), _float64(Wx, R, b, *states), _float64(*out_grads))
+    for name, a, w in zip(["dWx", "dR", "db", "dh0", "dc0", "dn0", "dm0"], got, want):
+        assert _rel(a, w) < 5 * FP32_TOL, (name, _rel(a, w))
+
+
+@pytest.mark.parametrize("exchange", ["cluster", "global"])
+def test_every_fp32_configuration(exchange, monkeypatch):
+    from torch_xaccel.codegen.slstm import configs
+
+    if exchange == "global":
+        monkeypatch.setattr(cuda_kernels, "plan", lambda Wx: ("global", cuda_kernels._sm_count(Wx.device)
+                                                               // cuda_kernels._groups(Wx)))
+    Wx, R, b, states = _inputs(9, 33, 4, 192, torch.float32, state=True, seed=14)
+    want = reference.forward(*_float64(Wx, R, b, *states), "element", True, False)
+    cands = configs.candidates(192, *cuda_kernels.plan(Wx), itemsize=4)
+    assert cands and all(c["exchange"] == exchange for c in cands)
+    for cfg in cands:
+        got = cuda_kernels.launch(cfg, Wx, R, b.contiguous(), *[s.contiguous() for s in states], 0, "element", True,
+                                  False)
+        for g, w in zip(got, want):
+            assert _rel(g, w) < FP32_TOL, cfg
