@@ -21,7 +21,7 @@ def test_explain_counts_fallbacks_breaks_and_table(capsys):
     report = torch_xaccel.explain(WithBreak(), torch.randn(4, 8))
     assert report.counts() == {"gemm_epilogue": 1, "mlstm": 0, "mlstm_step": 0, "headwise": 0, "causal_conv": 0,
                                "group_norm": 0, "skinny_linear": 0, "slstm": 0,
-                               "slstm_step": 0}
+                               "slstm_step": 0, "pointwise": 0}
     assert len(report.graphs) == 2 and len(report.graph_breaks) == 1
     kinds = {f.family for f in report.fallbacks}
     assert "graph_break" in kinds and "gemm_epilogue" in kinds  # the second linear: nothing to fuse

@@ -59,7 +59,8 @@ def _carry_dynamo_metadata(dynamo_gm: torch.fx.GraphModule, lowered: torch.fx.Gr
     lowered.meta["dynamo_compile_id"] = dynamo_gm.meta["dynamo_compile_id"]
 
 
-def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str, patches: dict, backward_pass=None):
+def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str, patches: dict, backward_pass=None,
+                  rest_pass=None):
     """Run the lowered graph: through Inductor (with torch.compile's mode/options as config
     patches), or eagerly. Eagerly under CUDA graphs when the mode asks for them (torch's CUDA graph
     trees, with parameters kept in place: graphed_rest.py; they skip graphs with CPU tensors and
@@ -67,7 +68,9 @@ def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str, patch
     ATen graph runs as it is: without autograd aot_autograd adds nothing but a second trace of the
     whole graph (a noticeable share of a large model's first call) and a per-call wrapper.
     backward_pass (eager only): rewrites the backward graph before it runs (the families' backward
-    passes); Inductor fuses the backward's elementwise ops itself."""
+    passes); Inductor fuses the backward's elementwise ops itself. rest_pass (eager only, without
+    CUDA graphs): rewrites every graph that runs eagerly, last (the families' rest passes)."""
+    rest = rest_pass or (lambda g, _name: g)
     if fallback == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
@@ -79,17 +82,17 @@ def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str, patch
 
         return compile_graphed(gm, example_inputs)
     if not torch.is_grad_enabled():  # (grad mode on: xaccel ops called directly would drop their backward)
-        return eager_calls.rewrite(gm).forward
+        return eager_calls.rewrite(rest(gm, "inference")).forward
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     def run_eagerly(g, _inputs):
-        return make_boxed_func(eager_calls.rewrite(g).forward)
+        return make_boxed_func(eager_calls.rewrite(rest(g, "forward")).forward)
 
-    def run_backward(g, inputs):
+    def run_backward(g, _inputs):
         if backward_pass is not None:
             g = backward_pass(g)
-        return run_eagerly(g, inputs)
+        return make_boxed_func(eager_calls.rewrite(rest(g, "backward")).forward)
 
     return aot_autograd(fw_compiler=run_eagerly, bw_compiler=run_backward)(gm, example_inputs)
 
@@ -116,6 +119,37 @@ def _backward_pass(cfg, report):
                           XaccelFallbackWarning, stacklevel=2)
             return g
     return fuse
+
+
+def _copied(g: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A module over a copy of g's graph (the nodes' metadata shared, not deep-copied: an inference
+    graph's fake values cannot be), so that a pass that fails leaves g as it was."""
+    graph = torch.fx.Graph(tracer_cls=g.graph._tracer_cls)
+    graph.output(graph.graph_copy(g.graph, {}))
+    return torch.fx.GraphModule(g, graph)
+
+
+def _rest_pass(cfg, report):
+    """The families' rest passes (families.py; the pointwise family's groups) as one rewrite of a
+    graph that runs eagerly, or None where none is enabled. A failure is reported and the graph
+    runs as it was."""
+    passes = [(p, families.resolve(path)) for p, path in families.rest_passes(cfg.patterns)]
+    if not passes:
+        return None
+
+    def rewrite(g: torch.fx.GraphModule, graph_name: str) -> torch.fx.GraphModule:
+        try:
+            fused = _copied(g)
+            for _pattern, run in passes:
+                run(fused, report, graph_name)
+            return fused
+        except Exception as e:  # noqa: BLE001 - never fail because of xaccel
+            report.fallbacks.append(Fallback("backend", f"{graph_name} graph's rest pass: {type(e).__name__}: {e}; "
+                                                        "ran it as it was"))
+            warnings.warn(f"xaccel: rest pass failed on the {graph_name} graph ({type(e).__name__}: {e}); "
+                          "running it as it was", XaccelFallbackWarning, stacklevel=2)
+            return g
+    return rewrite
 
 
 def _specialize_float_inputs(gm: torch.fx.GraphModule) -> bool:
@@ -197,7 +231,7 @@ def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **options):
         else:
             _carry_dynamo_metadata(gm, lowered)
             compiled = _compile_rest(lowered, example_inputs, cfg.fallback, patches,
-                                     _backward_pass(cfg, report) if training else None)
+                                     _backward_pass(cfg, report) if training else None, _rest_pass(cfg, report))
         report.settings = settings  # (not on the paths that run the captured graph as it is)
         return compiled
     except _RestartAnalysis:  # Dynamo traces the frame again and calls the backend anew

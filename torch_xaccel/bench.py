@@ -23,6 +23,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
+from torch_xaccel import families
 from torch_xaccel.codegen import tuning
 
 
@@ -410,17 +411,18 @@ def run_mlstm_case(case: Case) -> list:
     return _ratios_to_first(rows)
 
 
-def slstm_seq(B, T, NH, D):
+def slstm_seq(B, T, NH, D, dtype=torch.bfloat16):
     """The sLSTM over a sequence (pre-activations given): the persistent kernel beside FlashRNN's
-    kernels and the eager loop of the same math."""
+    kernels and the eager loop of the same math. fp32: what a hand-written fp32 loop compiles to."""
     def make():
         g = torch.Generator(device="cuda").manual_seed(0)
-        Wx = torch.randn(B, T, 4, NH, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        R = (torch.randn(NH, 4, D, D, device="cuda", generator=g) / D ** 0.5).bfloat16()
+        Wx = torch.randn(B, T, 4, NH, D, device="cuda", generator=g).to(dtype)
+        R = (torch.randn(NH, 4, D, D, device="cuda", generator=g) / D ** 0.5).to(dtype)
         b = torch.randn(4, NH, D, device="cuda", generator=g)
         return Wx, R, b
     # per step: R [4 D x D] per head times h, for every batch row
-    return Case(f"sLSTM B{B} T{T} NH{NH} D{D}", 2 * B * T * NH * 4 * D * D, make, runner="slstm")
+    tag = "" if dtype == torch.bfloat16 else f" {str(dtype).removeprefix('torch.')}"
+    return Case(f"sLSTM B{B} T{T} NH{NH} D{D}{tag}", 2 * B * T * NH * 4 * D * D, make, runner="slstm")
 
 
 def run_slstm_case(case: Case) -> list:
@@ -442,8 +444,9 @@ def run_slstm_case(case: Case) -> list:
     def op():
         return torch.ops.xaccel.slstm(Wx, R, b, None, None, None, None, *variant)
 
+    exact = torch.float64 if Wx.dtype == torch.float32 else torch.float32  # the reference the error is against
     with torch.no_grad():
-        want = reference.forward(Wx[:2, :64].float(), R.float(), b, None, None, None, None, *variant)[0]
+        want = reference.forward(Wx[:2, :64].to(exact), R.to(exact), b.to(exact), None, None, None, None, *variant)[0]
         got = torch.ops.xaccel.slstm(Wx[:2, :64], R, b, None, None, None, None, *variant)[0]
         err = _rel(got, want)
         full = op()[0]
@@ -452,7 +455,7 @@ def run_slstm_case(case: Case) -> list:
     declined = cuda_kernels.why_not(Wx, R, b)
     kernel = None if declined else f"CUDA {cuda_kernels.plan(Wx)[0]}-exchange kernel"
     path = f"xaccel ({kernel}) fwd" if kernel else f"xaccel fwd: ATen reference ({declined})"
-    add(path, _bench(op, False), f"rel err vs fp32 reference (B2 T64) {err:.1e}")
+    add(path, _bench(op, False), f"rel err vs {str(exact).removeprefix('torch.')} reference (B2 T64) {err:.1e}")
     leaves = [t.detach().requires_grad_() for t in (Wx, R, b)]
 
     def fwd_bwd(op):
@@ -472,20 +475,21 @@ def run_slstm_case(case: Case) -> list:
         from flashrnn.flashrnn import flashrnn
 
         Rf = R.transpose(0, 1).contiguous()
+        name = str(Wx.dtype).removeprefix("torch.")
         for backend in ("cuda", "cuda_fused"):
             try:
-                run = lambda backend=backend: flashrnn(Wx, Rf, b.bfloat16(), function="slstm",  # noqa: E731
-                                                       backend=backend, dtype="bfloat16")
+                run = lambda backend=backend: flashrnn(Wx, Rf, b.to(Wx.dtype), function="slstm",  # noqa: E731
+                                                       backend=backend, dtype=name)
                 t0 = time.perf_counter()
                 h = run()[0][0]
                 torch.cuda.synchronize()
                 first = time.perf_counter() - t0
                 add(f"FlashRNN {backend} fwd", _bench(run, False),
                     f"first call {first:.0f}s, rel err vs xaccel {_rel(h, full):.1e}")
-                fl = [t.detach().requires_grad_() for t in (Wx, Rf, b.bfloat16())]
+                fl = [t.detach().requires_grad_() for t in (Wx, Rf, b.to(Wx.dtype))]
 
                 def frnn_fwd_bwd(backend=backend, fl=fl):
-                    h = flashrnn(*fl, function="slstm", backend=backend, dtype="bfloat16")[0][0]
+                    h = flashrnn(*fl, function="slstm", backend=backend, dtype=name)[0][0]
                     h.backward(torch.ones_like(h))
                 add(f"FlashRNN {backend} fwd+bwd", _bench(frnn_fwd_bwd, True, fl))
             except Exception as e:  # noqa: BLE001 - an anchor that cannot run is reported, not fatal
@@ -594,6 +598,8 @@ def run_slstm_model_case(case: Case) -> list:
     for label, backend, compiled, env in (
             ("xaccel (vanilla sLSTM, compiled)", "vanilla", True, {}),
             ("xaccel, rest by Inductor (XACCEL_FALLBACK=inductor)", "vanilla", True, {"XACCEL_FALLBACK": "inductor"}),
+            ("xaccel, elementwise groups fused (XACCEL_PATTERNS with pointwise)", "vanilla", True,
+             {"XACCEL_PATTERNS": ",".join(families.PATTERNS)}),
             ("xlstm CUDA sLSTM backend, uncompiled", "cuda", False, {})):
         if PATHS and not re.search(PATHS, label):
             continue
@@ -1014,6 +1020,8 @@ SUITES = {
     "slstm": lambda quick: [slstm_seq(16, 256 if quick else 1024, 4, 192),
                             slstm_seq(16, 256 if quick else 1024, 1, 768),
                             slstm_seq(16, 1024, 8, 128), slstm_seq(64, 1024, 4, 192), slstm_seq(64, 1024, 1, 768),
+                            slstm_seq(16, 256 if quick else 1024, 4, 192, torch.float32),
+                            slstm_seq(16, 256 if quick else 1024, 1, 768, torch.float32),
                             slstm_decode(1), slstm_decode(8),
                             slstm_model(768, 8, (7,), 16, 256 if quick else 1024),
                             slstm_model(768, 4, (0, 1, 2, 3), 16, 256 if quick else 1024),

@@ -24,7 +24,8 @@ _FALSE = {"0", "false", "no", "off"}
 class Config:
     # XACCEL_DISABLE (off): run every captured graph as it is
     disable: bool
-    # XACCEL_PATTERNS (all): the patterns to replace, a comma-separated subset of families.PATTERNS
+    # XACCEL_PATTERNS (every pattern but the opt-in ones, families.DEFAULT_PATTERNS): the patterns to
+    # replace, a comma-separated subset of families.PATTERNS
     patterns: frozenset[str]
     # XACCEL_FALLBACK (eager): what runs the rest of the graph, eager or inductor
     fallback: str
@@ -70,7 +71,7 @@ def _flag(name: str, default: bool) -> bool:
 def _patterns() -> frozenset[str]:
     raw, known = _raw("XACCEL_PATTERNS"), families.PATTERNS
     if not raw:
-        return frozenset(known)
+        return frozenset(families.DEFAULT_PATTERNS)
     names = [p.strip() for p in raw.split(",") if p.strip()]
     unknown = [n for n in names if n not in known]
     if unknown or not names:

@@ -30,6 +30,12 @@ class Family:
     # "module:function" backward_pass(cfg) -> run(gm, report) | None: a pass over aot_autograd's
     # backward graphs, run at the first backward call
     backward_pass: str | None = None
+    # pattern name -> "module:function" run(gm, report, graph_name): a pass over every graph the
+    # rest of a compile runs eagerly (an inference graph, aot_autograd's forward and backward),
+    # after the other passes; its name is a pattern as the passes' are
+    rest_passes: dict[str, str] = field(default_factory=dict)
+    # its patterns run only where XACCEL_PATTERNS names them (not part of the default set)
+    opt_in: bool = False
     # "module:function" register(): hooks that must exist before Dynamo traces (library functions
     # traced as xaccel ops); called when the backend loads and at every compile
     trace_hooks: str | None = None
@@ -44,11 +50,11 @@ class Family:
 
     @property
     def patterns(self) -> tuple[str, ...]:
-        return tuple(self.passes)
+        return tuple(self.passes) + tuple(self.rest_passes)
 
     @property
     def report_keys(self) -> tuple[str, ...]:
-        return tuple(self.passes) + self.reports
+        return self.patterns + self.reports
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -124,6 +130,13 @@ FAMILIES: tuple[Family, ...] = (
         onnx={"slstm": "torch_xaccel.ops.slstm.onnx:slstm_function",
               "slstm_step": "torch_xaccel.ops.slstm.onnx:slstm_step_function"},
     ),
+    Family(
+        "pointwise",
+        rest_passes={"pointwise": "torch_xaccel.lowering.pointwise.groups:run"},
+        ops="torch_xaccel.ops.pointwise",
+        providers={"pointwise": "torch_xaccel.codegen.pointwise:forward"},
+        opt_in=True,  # until its effect on whole models is measured on a GPU
+    ),
 )
 
 # When each pattern's pass runs. Larger patterns first: the mLSTM and sLSTM regions hold matmuls
@@ -134,19 +147,26 @@ PASS_ORDER: tuple[str, ...] = ("slstm_step", "slstm", "mlstm_step", "mlstm", "he
                                "group_norm", "skinny_linear", "gemm_epilogue")
 
 PATTERNS: tuple[str, ...] = tuple(p for f in FAMILIES for p in f.patterns)  # what XACCEL_PATTERNS accepts
+DEFAULT_PATTERNS: tuple[str, ...] = tuple(p for f in FAMILIES if not f.opt_in for p in f.patterns)  # when it is unset
 REPORT_KEYS: tuple[str, ...] = tuple(k for f in FAMILIES for k in f.report_keys)  # counts() keys, in order
 DECODE_OPS: frozenset[str] = frozenset(f"xaccel.{op}" for f in FAMILIES for op in f.decode_ops)  # as reports name them
 
-assert sorted(PASS_ORDER) == sorted(PATTERNS), "PASS_ORDER must list every family's patterns once"
+assert sorted(PASS_ORDER) == sorted(p for f in FAMILIES for p in f.passes), \
+    "PASS_ORDER must list every family's graph passes once"
 
 
 def family_of(pattern: str) -> Family:
-    return next(f for f in FAMILIES if pattern in f.passes)
+    return next(f for f in FAMILIES if pattern in f.patterns)
 
 
 def ordered_passes() -> list[tuple[str, str]]:
     """(pattern, pass path) in PASS_ORDER."""
     return [(p, family_of(p).passes[p]) for p in PASS_ORDER]
+
+
+def rest_passes(patterns) -> list[tuple[str, str]]:
+    """(pattern, pass path) of the rest passes among `patterns`, in the families' order."""
+    return [(p, path) for f in FAMILIES for p, path in f.rest_passes.items() if p in patterns]
 
 
 def provider_paths(op: str) -> list[str]:

@@ -36,11 +36,12 @@ class ExportResult:
 
 
 def _exportable_patterns(cfg) -> tuple[set[str], list[str]]:
-    """(the patterns whose every op has an ONNX body, the others)."""
+    """(the patterns whose every op has an ONNX body, the others). Graph passes only: the rest
+    passes rewrite what a compile runs eagerly, which an export does not run."""
     translated = bodies.translatable()
     ok, missing = set(), []
     for f in families.FAMILIES:
-        for pattern in f.patterns:
+        for pattern in f.passes:
             if pattern not in cfg.patterns:
                 continue
             if all(op in translated for op in f.emits.get(pattern, (pattern,))):
