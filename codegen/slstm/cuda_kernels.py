@@ -223,7 +223,7 @@ def _takes(Wx, R, b) -> str | None:
     if not Wx.is_cuda:
         return "not a CUDA tensor"
     if Wx.dtype not in configs.ENABLED_DTYPES:
-        return f"{Wx.dtype} (the sequence kernels run bf16 and fp16)"
+        return f"{Wx.dtype} (the sequence kernels run {', '.join(map(str, configs.ENABLED_DTYPES))})"
     if R.dtype != Wx.dtype:
         return f"R is {R.dtype}, Wx {Wx.dtype}"
     why = available()

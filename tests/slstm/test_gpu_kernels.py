@@ -178,14 +178,6 @@ def _float64(*tensors):
     return [None if t is None else t.double() for t in tensors]
 
 
-@pytest.fixture(autouse=True)
-def fp32_enabled(monkeypatch):
-    """The fp32 kernels run here whether or not the runtime enables them (configs.ENABLED_DTYPES)."""
-    from torch_xaccel.codegen.slstm import configs
-
-    monkeypatch.setattr(configs, "ENABLED_DTYPES", (*configs.ENABLED_DTYPES, torch.float32))
-
-
 @pytest.mark.parametrize("NH,D", SHAPES)
 @pytest.mark.parametrize("B,T", [(16, 37), (5, 64)])  # fp32 at D768 holds one batch tile's R per group of SMs
 def test_fp32_forward_matches_float64_reference(NH, D, B, T):
