@@ -24,17 +24,12 @@ import torch
 from torch_xaccel import bench
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _per_token(fn, calls: int) -> float:
-    _sync()
+    bench._sync()
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
-    _sync()
+    bench._sync()
     return (time.perf_counter() - t0) / calls * 1e3
 
 
