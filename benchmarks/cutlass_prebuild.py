@@ -12,7 +12,10 @@ are built into the cache (XACCEL_CACHE_DIR; carry the `cutlass/` folder to the d
 match the device's. The vocabulary is cut to 1024 (the LM head's chain does not depend on it, and
 CPU bf16 GEMMs at the full 50304 are slow).
 
-    XACCEL_CACHE_DIR=.xcache python benchmarks/cutlass_prebuild.py [prefill] [train]
+transformers' xLSTMForCausalLM (`transformers`, without the xlstm package, as `bench model` runs it)
+has chains of its own (a softcapped gate projection with bias, its out projection's layout).
+
+    XACCEL_CACHE_DIR=.xcache python benchmarks/cutlass_prebuild.py [transformers] [prefill] [train]
 """
 import os
 import sys
@@ -40,6 +43,26 @@ def record_cases(jobs: dict, stats: dict):
     reference.forward = recording
 
 
+def run_transformers(modes):
+    from torch_xaccel.bench import transformers_xlstm_without_package
+
+    modeling = transformers_xlstm_without_package()
+    tokens = torch.randint(0, 1024, (1, 320))
+    for mode in modes:
+        cfg = modeling.xLSTMConfig(vocab_size=1024, chunk_size=64, mode="train" if mode == "train" else "inference",
+                                   use_cache=False, hidden_size=4096, num_heads=8, num_blocks=1)
+        torch.manual_seed(0)
+        model = modeling.xLSTMForCausalLM(cfg).to(torch.bfloat16)
+        torch._dynamo.reset()
+        fn = torch.compile(model, backend="xaccel")
+        if mode == "train":
+            logits = fn(tokens).logits
+            torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+        else:
+            with torch.inference_mode():
+                fn(tokens, use_cache=True)
+
+
 def run_model(modes):
     from xlstm.xlstm_large.model import xLSTMLarge, xLSTMLargeConfig
 
@@ -65,10 +88,11 @@ def run_model(modes):
 def main():
     # as on an sm_90 GPU with CUTLASS (lowering/gemm_epilogue/backward.py)
     os.environ.setdefault("XACCEL_BACKWARD_FUSION", "1")
-    modes = sys.argv[1:] or ["prefill", "train"]
+    args = sys.argv[1:]
+    modes = [a for a in args if a != "transformers"] or ["prefill", "train"]
     jobs, stats = {}, {}
     record_cases(jobs, stats)
-    run_model(modes)
+    (run_transformers if "transformers" in args else run_model)(modes)
     print(f"{len(jobs)} CUTLASS kernels for {modes}; calls CUTLASS cannot serve: {stats or 'none'}", flush=True)
     cutlass_kernels.build_all(list(jobs.items()), "prebuild")
     failed = [n for n, s in jobs.items() if cutlass_kernels.state(n, s) != "built"]
