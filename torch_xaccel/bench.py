@@ -878,6 +878,15 @@ def transformers_cache_of(output):
     return output.get("cache", output.get("cache_params"))
 
 
+def transformers_cache_copy(cache):
+    """The cache with its state tensors copied: under mode="reduce-overhead" the prefill's outputs
+    live in CUDA-graph memory that a later replay may overwrite."""
+    cache.rnn_state = {layer: tuple(t.clone() for t in state) for layer, state in cache.rnn_state.items()}
+    if isinstance(getattr(cache, "seqlen_offset", None), torch.Tensor):
+        cache.seqlen_offset = cache.seqlen_offset.clone()
+    return cache
+
+
 def transformers_model(B=4, S=2048, quick=False):
     """transformers' xLSTMForCausalLM at 7B widths (hidden 4096, 8 heads, 4 blocks, vocab 50304),
     bf16, its in-file mLSTM kernels (the xlstm package hidden): eager (the anchor) against
@@ -983,7 +992,7 @@ def _transformers_config_rows(modeling, name, compile_kwargs, dims, dev, tokens,
             model.eval()
             with torch.inference_mode():
                 prompt = fn(torch.randint(0, 50304, (b, 64), device=dev), use_cache=True)
-                cache = transformers_cache_of(prompt)
+                cache = transformers_cache_copy(transformers_cache_of(prompt))
                 tok = torch.randint(0, 50304, (b, 1), device=dev)
                 kw = dict(use_cache=True, **transformers_cache(modeling, cache))
 

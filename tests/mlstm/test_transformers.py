@@ -83,6 +83,27 @@ def test_prefill_then_decode_through_the_cache(modeling):
     assert decode.counts()["mlstm_step"] == 2, str(torch_xaccel.last_report())
 
 
+def test_bench_cache_copy_holds_the_same_states_in_new_memory(modeling):
+    """bench.transformers_cache_copy (reduce-overhead decode rows): the cache's states move out of
+    the prefill's output memory, and decoding from the copy gives the original's logits."""
+    from torch_xaccel.bench import transformers_cache_copy
+
+    model = _model(modeling, qk=1.0).eval()
+    g = torch.Generator().manual_seed(5)
+    tokens, nxt = torch.randint(0, 97, (2, 13), generator=g), torch.randint(0, 97, (2, 1), generator=g)
+    with torch.no_grad():
+        want_cache = transformers_cache_of(model(tokens, use_cache=True))
+        before = {layer: [t.data_ptr() for t in state] for layer, state in want_cache.rnn_state.items()}
+        want_states = [t.clone() for state in want_cache.rnn_state.values() for t in state]
+        cache = transformers_cache_copy(want_cache)
+        assert all(t.data_ptr() not in before[layer] for layer, state in cache.rnn_state.items() for t in state)
+        assert all(torch.equal(a, b) for a, b in zip(want_states, [t for st in cache.rnn_state.values() for t in st]))
+        got = model(nxt, use_cache=True, **transformers_cache(modeling, cache)).logits
+        fresh = transformers_cache_of(model(tokens, use_cache=True))
+        want = model(nxt, use_cache=True, **transformers_cache(modeling, fresh)).logits
+    assert torch.equal(got, want)
+
+
 def test_training_gradients_equal_eager(modeling):
     model = _model(modeling, mode="train").train()
     tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(3))
