@@ -23,6 +23,7 @@ from . import (
     config as _config,
     eager_calls,
     families,
+    gradient_sums,
     ops,  # noqa: F401  (registers torch.ops.xaccel.*)
 )
 from .errors import XaccelFallbackWarning
@@ -99,12 +100,11 @@ def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str, patch
 
 def _backward_pass(cfg, report):
     """The families' passes over the backward graph (families.py; the gemm_epilogue family's GEMM
-    chains, XACCEL_BACKWARD_FUSION), or None when none applies. They run at the first backward
-    call: a failure there is reported and the backward graph runs as traced, as a forward failure
-    would."""
+    chains, XACCEL_BACKWARD_FUSION), then gradient_sums' rewrite (sums of padded slice gradients
+    as one cat). They run at the first backward call: a failure there is reported and the backward
+    graph runs as traced, as a forward failure would."""
     passes = [p for p in (families.resolve(f.backward_pass)(cfg) for f in families.FAMILIES if f.backward_pass) if p]
-    if not passes:
-        return None
+    passes.append(lambda g, _report: gradient_sums.rewrite(g))
 
     def fuse(g: torch.fx.GraphModule) -> torch.fx.GraphModule:
         try:
