@@ -46,6 +46,8 @@ def _terms(add: torch.fx.Node) -> list[torch.fx.Node] | None:
 
 def _tiling(terms: list[torch.fx.Node], out) -> tuple[int, list[torch.fx.Node]] | None:
     """(dim, the gradients in order along it) when the terms' slices tile one dimension of `out`."""
+    if any(len(t.args) != 6 or t.kwargs for t in terms):
+        return None
     first = terms[0].args
     sizes, dim = list(first[1]), first[2]
     if not all(isinstance(s, int) for s in sizes) or list(out.shape) != sizes:
