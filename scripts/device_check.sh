@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: install (no network there), the whole test suite (CPU + gpu-marked), the demo on
 # CUDA, then the benchmark suite given as arguments (e.g. `gemm --no-max-autotune`). Logs go to $OUT.
-# Env: SKIP_TESTS=1, BENCH_FIRST=1, TEST_TIMEOUT=s, BENCH_TIMEOUT=s, PYTEST_ARGS="-m gpu", XACCEL_COMMIT=<hash> (the device copy has no .git).
+# Env: SKIP_TESTS=1, BENCH_FIRST=1, TEST_TIMEOUT=s, BENCH_TIMEOUT=s, PYTEST_ARGS="-m gpu", PYTEST_WORKERS=N
+# (default 6, 0: one process), XACCEL_COMMIT=<hash> (the device copy has no .git).
 # Anchor wheels and the CUTLASS headers (without them the CUTLASS GPU tests skip):
 # `python3 -m pip download --no-deps -d .whl xlstm==2.0.6 mlstm-kernels==2.0.6 flashrnn==1.0.8 nvidia-cutlass==4.2.0.0`
 # here, then name .whl in the device call's carry.
@@ -21,8 +22,14 @@ run_tests() {
   # PYTEST_ARGS narrows the run (e.g. "-m gpu"); default: the whole suite, CPU tests included
   # SIGINT on timeout: pytest still prints its summary; no:logging keeps the xlstm tests' DEBUG
   # logs from drowning the tracebacks
+  # pytest-xdist (on the device image) spreads test files over processes: the -m gpu suite is
+  # bound by kernel compiles on the host (PYTEST_WORKERS=0: one process)
+  local workers=""
+  if [ "${PYTEST_WORKERS:-6}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
+    workers="-n ${PYTEST_WORKERS:-6} --dist loadfile"
+  fi
   timeout -s INT "${TEST_TIMEOUT:-3600}" python3 -m pytest -q -p no:cacheprovider -p no:logging --show-capture=no \
-    --tb=short --durations=20 ${PYTEST_ARGS:-} 2>&1 \
+    --tb=short --durations=20 $workers ${PYTEST_ARGS:-} 2>&1 \
     | tee "$OUT/pytest.log" | grep -E "passed|failed|FAILED|Error" | tail -15
 }
 run_bench() {
