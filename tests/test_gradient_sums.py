@@ -1,5 +1,6 @@
 """gradient_sums: a backward sum of zero-padded slice gradients that tile a dimension runs as one
-cat, equal to autograd's sum; overlapping, gapped or strided slices stay as traced."""
+cat, equal to autograd's sum; overlapping, gapped or strided slices stay as traced. (chunk and
+split need no rewrite: their backward is a cat already.)"""
 import pytest
 import torch
 from functorch.compile import aot_function, make_boxed_func
@@ -27,13 +28,12 @@ def _grads_through_rewrite(fn, x):
     return xa.grad, xb.grad, seen
 
 
-def _gated(x):  # the xlstm blocks' split of the up-projection
-    a, b = x.chunk(2, dim=-1)
-    return a * torch.nn.functional.silu(b)
+def _halves(x):  # a projection's output read as two gates (the skinny_linear op's slices)
+    return x[..., :8] * torch.nn.functional.silu(x[..., 8:])
 
 
 def _three_parts(x):
-    a, b, c = x.split([3, 5, 4], dim=1)
+    a, b, c = x[:, :3], x[:, 3:8], x[:, 8:]
     return a.sum(1, keepdim=True) * b.exp() + c.square().sum(1, keepdim=True)
 
 
@@ -41,8 +41,8 @@ def _negative_bounds(x):
     return x[..., :-4].sin().sum(-1) + x[..., -4:].cos().sum(-1)
 
 
-@pytest.mark.parametrize("fn,shape", [(_gated, (2, 5, 16)), (_three_parts, (3, 12, 7)), (_negative_bounds, (4, 11))],
-                         ids=["chunk", "split3", "negative"])
+@pytest.mark.parametrize("fn,shape", [(_halves, (2, 5, 16)), (_three_parts, (3, 12, 7)), (_negative_bounds, (4, 11))],
+                         ids=["halves", "three", "negative"])
 def test_tiling_slices_become_one_cat_and_equal_autograd(fn, shape):
     x = torch.randn(shape, dtype=torch.float64)
     got, want, targets = _grads_through_rewrite(fn, x)
@@ -68,3 +68,37 @@ def test_slices_that_do_not_tile_stay_as_traced(fn):
     got, want, targets = _grads_through_rewrite(fn, x)
     assert torch.allclose(got, want, rtol=1e-12, atol=0)
     assert aten.slice_backward.default in targets, targets
+
+
+def test_the_backend_rewrites_a_compiled_train_steps_backward(monkeypatch):
+    """backend="xaccel" with the eager rest runs the rewrite on the backward graph: a gated block
+    (two slices of a projection's tanh; a gate of the projection itself would become a dual GEMM)
+    trains to eager's gradients without slice_backward."""
+    from tests.helpers import rel_err
+
+    seen = []
+
+    def recording(g):
+        g = rewrite(g)
+        seen.extend(n.target for n in g.graph.nodes if n.op == "call_function")
+        return g
+
+    rewrite = gradient_sums.rewrite
+    monkeypatch.setattr(gradient_sums, "rewrite", recording)
+    torch.manual_seed(0)
+    up, down = torch.nn.Linear(24, 64), torch.nn.Linear(32, 24)
+
+    def block(x):
+        y = torch.tanh(up(x))
+        return down(y[..., :32] * torch.nn.functional.silu(y[..., 32:])) + x
+
+    x = torch.randn(3, 5, 24)
+    cotangent = torch.randn(3, 5, 24)
+    torch._dynamo.reset()
+    params = [up.weight, up.bias, down.weight]
+    xc = x.clone().requires_grad_()
+    got = torch.autograd.grad((torch.compile(block, backend="xaccel")(xc) * cotangent).sum(), params + [xc])
+    xe = x.clone().requires_grad_()
+    want = torch.autograd.grad((block(xe) * cotangent).sum(), params + [xe])
+    assert seen and aten.slice_backward.default not in seen and aten.cat.default in seen, seen
+    assert max(rel_err(a, b) for a, b in zip(got, want)) <= 1e-5

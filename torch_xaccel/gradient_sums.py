@@ -1,12 +1,12 @@
 """Backward graphs that run eagerly: a sum of slice_backward results that tile one dimension
 becomes one concatenation.
 
-Where a forward splits a tensor (`x.chunk(2, -1)`, `x[..., :n]` and `x[..., n:]`), autograd's
-backward pads each part's gradient with zeros to the full shape (`slice_backward`) and adds the
-padded tensors: two zero-filled allocations, two copies and an add over the full tensor, where
-one `cat` of the parts writes the same values once. Inductor folds this itself; the eager rest
-would run it as traced (the xlstm package's mLSTM and sLSTM blocks split their up-projection's
-output this way, once per block in every train step).
+Where a forward reads one tensor as slices (`y[..., :4]` and `y[..., 4:]`: the two gates that the
+skinny_linear pass cuts from its stacked output, in every mLSTM block), autograd's backward pads
+each slice's gradient with zeros to the full shape (`slice_backward`: a fill and a copy each) and
+adds the padded tensors: five kernels where one `cat` writes the same values. Inductor folds this
+itself; the eager rest would launch them all, and a host-bound train step pays per launch.
+(`chunk` and `split` need nothing: their backward is a cat already.)
 
 Rewritten only where the sum is exact: step-1 slices of one dimension with static sizes that
 cover it without gaps or overlaps, every part in the sum's dtype, each intermediate result read
