@@ -22,7 +22,36 @@ def to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
     fakes = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
     args = fakes if len(fakes) == len(example_inputs) and all(f is not None for f in fakes) else example_inputs
     with fx_traceback.preserve_node_meta(), _scalar_outputs(args):
-        return make_fx(run, pre_dispatch=True, tracing_mode="symbolic")(*args)
+        g = make_fx(run, pre_dispatch=True, tracing_mode="symbolic")(*args)
+    drop_identity_dropouts(g)
+    return g
+
+
+# ATen returns the input itself from these when p == 0 or train is False (_dropout_impl)
+_DROPOUTS = (torch.ops.aten.dropout.default, torch.ops.aten.feature_dropout.default,
+             torch.ops.aten.alpha_dropout.default, torch.ops.aten.feature_alpha_dropout.default)
+
+
+def drop_identity_dropouts(gm: torch.fx.GraphModule) -> int:
+    """Remove the dropouts that return their input (p == 0, or not training): an nn.Dropout(0.0)
+    in a training graph sits between a projection and its residual add and would hide the GEMM
+    chain. Returns how many went."""
+    dropped = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _DROPOUTS:
+            continue
+        a = node.args
+        x = a[0] if a else node.kwargs.get("input")
+        p = a[1] if len(a) > 1 else node.kwargs.get("p")
+        train = a[2] if len(a) > 2 else node.kwargs.get("train")
+        if not isinstance(x, torch.fx.Node) or not (train is False or (isinstance(p, (int, float)) and p == 0)):
+            continue
+        node.replace_all_uses_with(x)
+        gm.graph.erase_node(node)
+        dropped += 1
+    if dropped:
+        gm.recompile()
+    return dropped
 
 
 @contextlib.contextmanager
