@@ -76,14 +76,13 @@ def test_the_backend_rewrites_a_compiled_train_steps_backward(monkeypatch):
     trains to eager's gradients without slice_backward."""
     from tests.helpers import rel_err
 
-    seen = []
+    seen, rewrite = [], gradient_sums.rewrite
 
     def recording(g):
         g = rewrite(g)
         seen.extend(n.target for n in g.graph.nodes if n.op == "call_function")
         return g
 
-    rewrite = gradient_sums.rewrite
     monkeypatch.setattr(gradient_sums, "rewrite", recording)
     torch.manual_seed(0)
     up, down = torch.nn.Linear(24, 64), torch.nn.Linear(32, 24)

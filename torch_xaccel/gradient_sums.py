@@ -52,12 +52,12 @@ def _tiling(terms: list[torch.fx.Node], out) -> tuple[int, list[torch.fx.Node]] 
     sizes, dim = list(first[1]), first[2]
     if not all(isinstance(s, int) for s in sizes) or list(out.shape) != sizes:
         return None
-    dim = dim + len(sizes) if dim < 0 else dim
+    dim %= len(sizes)
     ranges = []
     for t in terms:
         grad, t_sizes, t_dim, start, _end, step = t.args
         g = grad.meta.get("val") if isinstance(grad, torch.fx.Node) else None
-        if g is None or list(t_sizes) != sizes or (t_dim + len(sizes) if t_dim < 0 else t_dim) != dim or step != 1:
+        if g is None or list(t_sizes) != sizes or t_dim % len(sizes) != dim or step != 1:
             return None
         if g.dtype != out.dtype or not isinstance(g.shape[dim], int) or not isinstance(start, int):
             return None
@@ -85,7 +85,8 @@ def rewrite(g: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Replace each such sum in g (in place); returns g."""
     changed = False
     for node in list(g.graph.nodes):
-        if node.op != "call_function" or node.target is not aten.add.Tensor or getattr(node, "_erased", False):
+        # (a replaced sum's inner adds come before it in the graph: none is visited after erasure)
+        if node.op != "call_function" or node.target is not aten.add.Tensor:
             continue
         out = node.meta.get("val")
         terms = _terms(node) if isinstance(out, torch.Tensor) and out.is_contiguous() else None
