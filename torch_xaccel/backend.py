@@ -100,11 +100,14 @@ def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str, patch
 
 def _backward_pass(cfg, report):
     """The families' passes over the backward graph (families.py; the gemm_epilogue family's GEMM
-    chains, XACCEL_BACKWARD_FUSION), then gradient_sums' rewrite (sums of padded slice gradients
-    as one cat). They run at the first backward call: a failure there is reported and the backward
-    graph runs as traced, as a forward failure would."""
+    chains, XACCEL_BACKWARD_FUSION), then gradient_sums' rewrites (sums of padded slice gradients
+    as one cat; sums folded into the ops that take an addend). They run at the first backward
+    call: a failure there is reported and the backward graph runs as traced, as a forward failure
+    would."""
     passes = [p for p in (families.resolve(f.backward_pass)(cfg) for f in families.FAMILIES if f.backward_pass) if p]
     passes.append(lambda g, _report: gradient_sums.rewrite(g))
+    addends = families.addend_args()
+    passes.append(lambda g, _report: gradient_sums.fold_into_producers(g, addends))
 
     def fuse(g: torch.fx.GraphModule) -> torch.fx.GraphModule:
         try:

@@ -47,6 +47,9 @@ class Family:
     # ops that run one decode step: bound by host time when called outside a CUDA graph (the
     # report hints at one)
     decode_ops: tuple[str, ...] = ()
+    # op name -> its argument that adds to its output before rounding: Tensor? for an op of one
+    # output, Tensor?[] (entry j for output j) for a list; gradient_sums folds gradient sums into it
+    addends: dict[str, str] = field(default_factory=dict)
 
     @property
     def patterns(self) -> tuple[str, ...]:
@@ -89,6 +92,7 @@ FAMILIES: tuple[Family, ...] = (
         providers={"headwise": "torch_xaccel.codegen.headwise:forward",
                    "headwise_weight_grad": "torch_xaccel.codegen.headwise:weight_grad"},
         onnx={"headwise": "torch_xaccel.ops.headwise.onnx:headwise_function"},
+        addends={"headwise": "addend"},  # (the input gradient is the op itself)
     ),
     Family(
         "causal_conv",
@@ -114,6 +118,7 @@ FAMILIES: tuple[Family, ...] = (
         providers={"skinny_linear": "torch_xaccel.codegen.skinny_linear:forward",
                    "skinny_linear_backward": "torch_xaccel.codegen.skinny_linear:backward"},
         onnx={"skinny_linear": "torch_xaccel.ops.skinny_linear.onnx:skinny_linear_function"},
+        addends={"skinny_linear_backward": "addends"},
     ),
     Family(
         "slstm",
@@ -177,6 +182,14 @@ def resolve(path: str):
     """The object a "module:attribute" path names, looked up now (the module imported on first use)."""
     module, _, attr = path.partition(":")
     return getattr(importlib.import_module(module), attr)
+
+
+def addend_args() -> dict:
+    """OpOverload -> the name of its addend argument (Family.addends), the ops registered."""
+    import torch
+
+    import_ops()
+    return {getattr(torch.ops.xaccel, op).default: arg for f in FAMILIES for op, arg in f.addends.items()}
 
 
 def import_ops() -> None:

@@ -99,18 +99,29 @@ def _tiles(D: int, DO: int) -> tuple[int, int, int]:
     return G, max(16, next_power_of_2(G * D)), max(16, next_power_of_2(G * DO))
 
 
-def forward(key, x, w):
+def forward(key, x, w, addend=None):
     """Kernel path for xaccel::headwise, or NotImplemented (also where a plain call of a small
     case costs less through the reference: tuning.PlainCalls)."""
-    if why_not(x, w) is not None:
+    if why_not(x, w) is not None or _addend_unfit(x, w, addend):
         return NotImplemented
     if _PLAIN.reference_runs(key, x.numel(), x.device, lambda: f"{x.dtype}|x{tuple(x.shape)}|w{tuple(w.shape)}",
-                             lambda: kernel_forward(x, w), lambda: reference.forward(x, w)):
+                             lambda: kernel_forward(x, w, addend), lambda: reference.forward(x, w, addend)):
         return NotImplemented
-    return kernel_forward(x, w)
+    return kernel_forward(x, w, addend)
 
 
-def kernel_forward(x, w):
+def _addend_unfit(x, w, addend) -> bool:
+    """An addend the kernel does not take (the reference does): not y's shape or dtype."""
+    return addend is not None and (addend.dtype != x.dtype or addend.shape != (*x.shape[:-1], w.shape[1]))
+
+
+def _addend_rows(addend, B1: int, S1: int, H: int, DO: int):
+    """The addend as [B1, S1, H, DO], the row split of x: a view where its layout allows."""
+    a4 = _rows_of(addend, H, DO)
+    return a4 if a4.shape[:2] == (B1, S1) else addend.reshape(B1, S1, H, DO)
+
+
+def kernel_forward(x, w, addend=None):
     """The kernel, whichever path a plain call would take (the GPU tests call it)."""
     H, DO, D = w.shape
     x4 = _rows_of(x, H, D)
@@ -120,11 +131,12 @@ def kernel_forward(x, w):
         G, BK, BN = _tiles(D, DO)
         tiles = cdiv(S1, BM)
         flat = x4.stride(3) == 1 and x4.stride(2) == D
-        ints = (H, S1, tiles, *x4.stride(), *w.stride())
-        meta = dict(DO=DO, D=D, G=G, BM=BM, BK=BK, BN=BN, X_FLAT=flat, num_warps=WARPS)
+        a4 = y if addend is None else _addend_rows(addend, B1, S1, H, DO)  # (no addend: an unread pointer)
+        ints = (H, S1, tiles, *x4.stride(), *w.stride(), *(a4.stride() if addend is not None else (0,) * 4))
+        meta = dict(DO=DO, D=D, G=G, BM=BM, BK=BK, BN=BN, X_FLAT=flat, ADD=addend is not None, num_warps=WARPS)
         kernel = cache.template_kernel(TEMPLATES, "headwise.py.jinja", precision=_precision(x.dtype))
-        _LAUNCHES.launch(("fwd", x.device, x.dtype, ints, DO, D), kernel,
-                         (B1 * tiles, cdiv(H, G)), (x4, w, y, *ints), meta, (x4, w, y))
+        _LAUNCHES.launch(("fwd", x.device, x.dtype, ints, DO, D, addend is not None), kernel,
+                         (B1 * tiles, cdiv(H, G)), (x4, w, y, a4, *ints), meta, (x4, w, y, a4))
     return y
 
 

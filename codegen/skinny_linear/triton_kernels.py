@@ -94,9 +94,11 @@ def forward(key, weight, bias, xs):
     return y
 
 
-def backward(key, dy, weight, xs, with_bias):
+def backward(key, dy, weight, xs, with_bias, addends=None):
     """Kernel path for xaccel::skinny_linear_backward, or NotImplemented."""
-    if why_not(weight, None, xs) is not None or dy.dtype != xs[0].dtype:
+    addends = addends or [None] * len(xs)
+    if why_not(weight, None, xs) is not None or dy.dtype != xs[0].dtype or any(
+            a is not None and (a.shape != x.shape or a.dtype != x.dtype) for a, x in zip(addends, xs)):
         return NotImplemented
     rows = [_rows(x) for x in xs]
     M, (N, K) = rows[0].shape[0], weight.shape
@@ -110,13 +112,15 @@ def backward(key, dy, weight, xs, with_bias):
         layout = _layout(xs)
         chunks = cdiv(M, ROWS)
         parts = torch.empty(chunks, N, K, dtype=torch.float32, device=dy.device)  # each program its own
-        strides = tuple(s for r in rows for s in r.stride())
+        add_rows = [r if a is None else _rows(a) for a, r in zip(addends, rows)]  # (None: an unread pointer)
+        strides = tuple(s for r in (*rows, *add_rows) for s in r.stride())
         ints = (M, *dy_rows.stride(), *weight.stride())
-        meta = dict(N=N, NP=NP, BM=32, BK=BK, ROWS=ROWS, num_warps=WARPS)
-        tensors = (dy_rows, weight, parts, *rows, *dxs)
+        adds = {f"ADD{j}": a is not None for j, a in enumerate(addends)}
+        meta = dict(N=N, NP=NP, BM=32, BK=BK, ROWS=ROWS, num_warps=WARPS, **adds)
+        tensors = (dy_rows, weight, parts, *rows, *dxs, *add_rows)
         args = (dy_rows, weight, parts, *ints,
-                *(v for j, r in enumerate(rows) for v in (r, *r.stride(), dxs[j])))
-        _LAUNCHES.launch(("bwd", dy.device, dy.dtype, ints, strides, layout["widths"]),
+                *(v for j, r in enumerate(rows) for v in (r, *r.stride(), dxs[j], add_rows[j], *add_rows[j].stride())))
+        _LAUNCHES.launch(("bwd", dy.device, dy.dtype, ints, strides, layout["widths"], tuple(adds.values())),
                          cache.template_kernel(TEMPLATES, "skinny_linear_backward.py.jinja", **layout),
                          (chunks, layout["tile_ends"][-1]), args, meta, tensors)
         dweight = parts.sum(0)

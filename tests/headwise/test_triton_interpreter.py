@@ -2,7 +2,7 @@
 the reference in float64: the forward, the input gradient (the forward with w transposed per head,
 a strided view) and the weight gradient, at block sizes that are not powers of two, row counts
 that do not fill a tile or a weight-gradient chunk, and x given as a strided view or with its
-positions innermost (read in place)."""
+positions innermost (read in place); the forward with an addend given as a transposed view."""
 import textwrap
 
 import pytest
@@ -33,8 +33,11 @@ SCRIPT = textwrap.dedent("""
             got = k.forward(None, x, w)
             dx = k.forward(None, dy, w.transpose(1, 2))
             dw = k.weight_grad(None, dy, x)
+            addend = torch.randn(*lead, DO, H).to(dtype).transpose(-1, -2)  # any strides
+            summed = k.forward(None, x, w, addend)
             errs = [rel(got, want), rel(dx, reference.forward(dy.double(), w.double().transpose(1, 2))),
-                    rel(dw, reference.weight_grad(dy.double(), x.double()))]
+                    rel(dw, reference.weight_grad(dy.double(), x.double())),
+                    rel(summed, reference.forward(x.double(), w.double(), addend.double()))]
             shapes_ok = got.shape == want.shape and got.dtype == dtype and dw.shape == w.shape and dx.shape == x.shape
             bad += not shapes_ok or not all(e <= tol for e in errs)
             print(dtype, lead, H, D, DO, layout, " ".join(f"{e:.1e}" for e in errs))

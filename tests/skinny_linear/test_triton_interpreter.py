@@ -1,7 +1,7 @@
 """The generated skinny_linear kernels, run by Triton's interpreter on the CPU (fp32 and fp16),
 against the reference in float64: one to three inputs (widths that do not fill a column tile),
 with and without a bias, row counts that do not fill a tile or a backward chunk, 3-D inputs and
-a strided view read in place."""
+a strided view read in place; the backward with addends on some inputs' gradients."""
 import textwrap
 
 import pytest
@@ -29,7 +29,13 @@ SCRIPT = textwrap.dedent("""
             want = reference.forward(w.double(), None if b is None else b.double(), [x.double() for x in xs])
             grads = k.backward(None, dy, w, xs, bias)
             wants = reference.backward(dy.double(), w.double(), [x.double() for x in xs], bias)
-            errs = [rel(got, want)] + [rel(g, r) for g, r in zip(grads, wants) if r.numel()]
+            adds = [None if j == 1 else torch.randn(*lead, 2 * x.shape[-1])[..., ::2].to(dtype)
+                    for j, x in enumerate(xs)]
+            summed = k.backward(None, dy, w, xs, bias, adds)[:len(xs)]
+            want_summed = reference.backward(dy.double(), w.double(), [x.double() for x in xs], bias,
+                                             [None if a is None else a.double() for a in adds])[:len(xs)]
+            errs = [rel(got, want)] + [rel(g, r) for g, r in zip(grads, wants) if r.numel()] + [
+                rel(g, r) for g, r in zip(summed, want_summed)]
             bad += got.dtype != dtype or got.shape != want.shape or not all(e <= tol for e in errs) \\
                 or any(g.shape != r.shape for g, r in zip(grads, wants))
             print(dtype, lead, widths, N, bias, " ".join(f"{e:.1e}" for e in errs))

@@ -13,14 +13,14 @@ OP_NAME = "headwise"
 WEIGHT_GRAD_OP_NAME = "headwise_weight_grad"
 
 
-def case_key(x, w) -> tuple:
-    return (x.device.type, x.dtype, x.shape, w.shape)
+def case_key(x, w, addend=None) -> tuple:
+    return (x.device.type, x.dtype, x.shape, w.shape, addend is not None)
 
 
-def run(x: Tensor, w: Tensor) -> Tensor:
+def run(x: Tensor, w: Tensor, addend: Tensor | None = None) -> Tensor:
     """The op's body. Compiled graphs call it directly (ops.DIRECT_CALLS): a small projection's
     kernels are short, and the custom-op layer's host time would be of their order."""
-    return runtime.dispatch(OP_NAME, case_key, reference.forward, x, w).contiguous()
+    return runtime.dispatch(OP_NAME, case_key, reference.forward, x, w, addend).contiguous()
 
 
 def run_weight_grad(dy: Tensor, x: Tensor) -> Tensor:
@@ -28,13 +28,14 @@ def run_weight_grad(dy: Tensor, x: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("xaccel::headwise", mutates_args=())
-def headwise(x: Tensor, w: Tensor) -> Tensor:
-    """x [..., H, D], w [H, O, D] (any strides) -> y [..., H, O], contiguous, in x's dtype."""
-    return run(x, w)
+def headwise(x: Tensor, w: Tensor, addend: Tensor | None = None) -> Tensor:
+    """x [..., H, D], w [H, O, D] (any strides), addend [..., H, O] or None -> y [..., H, O] (+
+    addend), contiguous, in x's dtype. Backward graphs pass the addend (gradient_sums.py)."""
+    return run(x, w, addend)
 
 
 @headwise.register_fake
-def _fake(x, w):
+def _fake(x, w, addend=None):
     return x.new_empty(*x.shape[:-1], w.shape[1])
 
 
@@ -50,14 +51,16 @@ def _weight_grad_fake(dy, x):
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+    ctx.save_for_backward(*inputs[:2])
 
 
 def _backward(ctx, dy):
     x, w = ctx.saved_tensors
     dx = torch.ops.xaccel.headwise(dy, w.transpose(1, 2)) if ctx.needs_input_grad[0] else None
     dw = torch.ops.xaccel.headwise_weight_grad(dy, x).to(w.dtype) if ctx.needs_input_grad[1] else None
-    return dx, dw
+    if len(ctx.needs_input_grad) == 2:  # called without the addend
+        return dx, dw
+    return dx, dw, dy if ctx.needs_input_grad[2] else None
 
 
 headwise.register_autograd(_backward, setup_context=_setup_context)

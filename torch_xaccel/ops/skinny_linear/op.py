@@ -22,9 +22,13 @@ def run(weight: Tensor, bias: Tensor | None, xs: list[Tensor]) -> Tensor:
     return runtime.dispatch(OP_NAME, case_key, reference.forward, weight, bias, xs)
 
 
-def run_backward(dy: Tensor, weight: Tensor, xs: list[Tensor], with_bias: bool) -> list[Tensor]:
-    return runtime.dispatch(BACKWARD_OP_NAME, lambda dy, weight, xs, with_bias: case_key(weight, None, xs),
-                            reference.backward, dy, weight, xs, with_bias)
+def run_backward(dy: Tensor, weight: Tensor, xs: list[Tensor], with_bias: bool,
+                 addends: list[Tensor | None]) -> list[Tensor]:
+    return runtime.dispatch(BACKWARD_OP_NAME, _backward_key, reference.backward, dy, weight, xs, with_bias, addends)
+
+
+def _backward_key(dy, weight, xs, with_bias, addends) -> tuple:
+    return (*case_key(weight, None, xs), tuple(a is not None for a in addends))
 
 
 @torch.library.custom_op("xaccel::skinny_linear", mutates_args=())
@@ -39,14 +43,16 @@ def _fake(weight, bias, xs):
 
 
 @torch.library.custom_op("xaccel::skinny_linear_backward", mutates_args=())
-def skinny_linear_backward(dy: Tensor, weight: Tensor, xs: list[Tensor], with_bias: bool) -> list[Tensor]:
-    """[dx_j like xs (contiguous), dweight [N, K] and dbias [N] (empty without a bias) in the
-    compute dtype]."""
-    return run_backward(dy, weight, xs, with_bias)
+def skinny_linear_backward(dy: Tensor, weight: Tensor, xs: list[Tensor], with_bias: bool,
+                           addends: list[Tensor | None]) -> list[Tensor]:
+    """[dx_j (+ addends[j], a tensor like xs[j] or None) like xs (contiguous), dweight [N, K] and
+    dbias [N] (empty without a bias) in the compute dtype]. Backward graphs pass the addends
+    (gradient_sums.py)."""
+    return run_backward(dy, weight, xs, with_bias, addends)
 
 
 @skinny_linear_backward.register_fake
-def _backward_fake(dy, weight, xs, with_bias):
+def _backward_fake(dy, weight, xs, with_bias, addends):
     cd = reference.compute_dtype(weight)
     return [x.new_empty(x.shape) for x in xs] + [
         weight.new_empty(weight.shape, dtype=cd), weight.new_empty(weight.shape[0] if with_bias else 0, dtype=cd)]
@@ -60,7 +66,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy):
     weight, *xs = ctx.saved_tensors
-    *dxs, dweight, dbias = torch.ops.xaccel.skinny_linear_backward(dy, weight, xs, ctx.with_bias)
+    *dxs, dweight, dbias = torch.ops.xaccel.skinny_linear_backward(dy, weight, xs, ctx.with_bias,
+                                                                         [None] * len(xs))
     return dweight.to(weight.dtype), dbias.to(weight.dtype) if ctx.with_bias else None, dxs
 
 
