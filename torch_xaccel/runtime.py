@@ -42,13 +42,26 @@ class _Provider:
         decides for itself."""
         if self.path is None:
             return True
-        t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        t = _first_tensor(args)
         return t is not None and kernels_can_run(t)
 
     def __call__(self, key, *args):
         if self.fn is None:
             self.fn = families.resolve(self.path)
         return self.fn(key, *args)
+
+
+def _first_tensor(args) -> torch.Tensor | None:
+    """The first tensor among the arguments, looking into lists (xaccel::pointwise takes its
+    inputs as one list)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+        if isinstance(a, (list, tuple)):
+            t = next((x for x in a if isinstance(x, torch.Tensor)), None)
+            if t is not None:
+                return t
+    return None
 
 
 _PROVIDERS: dict[str, list[_Provider]] = {}
