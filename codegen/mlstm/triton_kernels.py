@@ -313,10 +313,16 @@ def _tiles(D: int, tile: int) -> int:
     return -(-D // tile)
 
 
-def _state_grid(programs: int, dims: dict, BK: int, BV: int) -> tuple[int, int, int]:
-    """Grid of the state scans (mlstm_chunk_states, mlstm_bwd_states): one program per state tile
-    holding true columns. The tiles past them stay unwritten; every load of a state masks them."""
-    return programs, _tiles(dims["DKR"], BK), _tiles(dims["DVR"], BV)
+def _state_grid(programs: int, dims: dict, BK: int, BV: int) -> tuple[int]:
+    """Flat grid of the state scans (mlstm_chunk_states, mlstm_bwd_states; the templates' flat_ids
+    order): one program per state tile holding true columns. The tiles past them stay unwritten;
+    every load of a state masks them."""
+    return (programs * _state_tiles(dims, BK, BV),)
+
+
+def _state_tiles(dims: dict, BK: int, BV: int) -> int:
+    """State tiles per (batch*head) of the scans."""
+    return _tiles(dims["DKR"], BK) * _tiles(dims["DVR"], BV)
 
 
 def _state_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
@@ -377,7 +383,7 @@ def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, keep=False):
     if cfg.get("BKQ"):  # the sliced output kernel (SLICED)
         meta["BKQ"] = cfg["BKQ"]
     _launch(_kernel("mlstm_fwd.py.jinja", q.dtype, k_loop=bool(cfg.get("BKQ")), save_rows=keep, **_masks(dims)),
-            (B * H, NC, _tiles(DVR, cfg["BV"])), *args, **meta)
+            (B * H * NC * _tiles(DVR, cfg["BV"]),), *args, **meta)  # (flat: the templates' flat_ids)
     C, n = C[..., :DKR, :DVR], n[..., :DKR]  # (views: the whole state where the head is not padded)
     if keep:
         return h, C, n, m, (Cs, ns, ms), rows
@@ -542,7 +548,7 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     row_factors = switches.scan_row_factors
     NC = -(-S // L)
     grid = _state_grid(B * H, dims, BK, BVS)
-    NT = grid[1] * grid[2]
+    NT = _state_tiles(dims, BK, BVS)
     rows = None
     if kept is not None and kept[0] == L:  # the forward's states and row terms: no second scan, no q k^T
         (Cs, ns, ms), rows, (CT, nT, mT) = kept[1:]
@@ -575,7 +581,7 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     # the gates' gradients from q.dq and k.dk per row and DK tile (gates_from_row_sums says why)
     rs = torch.empty(B * H * (_tiles(DKR, DKS) if DKS else 1) * 2 * S, device=dev, dtype=f32)
     if DVS:
-        _launch(_kernel("mlstm_bwd_dv.py.jinja", q.dtype, **masks), (B * H, NC, _tiles(DVR, DVS)),
+        _launch(_kernel("mlstm_bwd_dv.py.jinja", q.dtype, **masks), (B * H * NC * _tiles(DVR, DVS),),
             q, k, v, i, f, dh, ms, me, dCs, N, dv,
             *_rows(q, k, v, i, f, dh, dv), S, NC, scale, **dims, BV=DVS, L=L, num_warps=warps,
             num_stages=stages)
@@ -585,7 +591,7 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
         _launch(_kernel("mlstm_bwd_ds.py.jinja", q.dtype, split_dv=bool(DVS), **masks), (B * H, NC),
             q, k, v, i, f, dh, ms, me, dCs, N, dden, dS, wu, dv, *_rows(q, k, v, i, f, dh, *(() if DVS else (dv,))),
             S, NC, scale, **dims, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
-        _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype, **masks), (B * H, NC, _tiles(DKR, DKS)),
+        _launch(_kernel("mlstm_bwd_dqdk.py.jinja", q.dtype, **masks), (B * H * NC * _tiles(DKR, DKS),),
             q, k, v, dh, Cs, ns, dCs, dns, N, dden, dS, wu, dq, dk, rs,
             *_rows(q, k, v, dh, dq, dk), S, NC, scale,
             **dims, BK=DKS, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
