@@ -24,7 +24,7 @@ _FALSE = {"0", "false", "no", "off"}
 class Config:
     # XACCEL_DISABLE (off): run every captured graph as it is
     disable: bool
-    # XACCEL_PATTERNS (every pattern but the opt-in ones, families.DEFAULT_PATTERNS): the patterns to
+    # XACCEL_PATTERNS (every pattern but opt-in ones, families.DEFAULT_PATTERNS): the patterns to
     # replace, a comma-separated subset of families.PATTERNS
     patterns: frozenset[str]
     # XACCEL_FALLBACK (eager): what runs the rest of the graph, eager or inductor

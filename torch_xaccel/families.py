@@ -140,7 +140,6 @@ FAMILIES: tuple[Family, ...] = (
         rest_passes={"pointwise": "torch_xaccel.lowering.pointwise.groups:run"},
         ops="torch_xaccel.ops.pointwise",
         providers={"pointwise": "torch_xaccel.codegen.pointwise:forward"},
-        opt_in=True,  # until its effect on whole models is measured on a GPU
     ),
 )
 
