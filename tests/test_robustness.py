@@ -125,3 +125,15 @@ def test_inference_runs_the_lowered_graph_without_a_second_trace(monkeypatch):
     assert traced
     torch.testing.assert_close(out, fn(x, w))
     torch.testing.assert_close(got, w.grad)
+
+
+def test_a_family_provider_takes_an_op_whose_tensors_come_as_a_list(monkeypatch):
+    """xaccel::pointwise passes its inputs as one list: the provider must still see a tensor that
+    kernels can run on (else every call runs the reference, silently slower)."""
+    provider = runtime._Provider(path="torch_xaccel.codegen.pointwise:forward")
+    x = torch.randn(4)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert provider.takes(([x, x], "program")) and provider.takes((x, "program"))
+    assert not provider.takes(([], "program"))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not provider.takes(([x], "program"))  # a CPU tensor outside the interpreter: the reference
