@@ -24,7 +24,7 @@ _FALSE = {"0", "false", "no", "off"}
 class Config:
     # XACCEL_DISABLE (off): run every captured graph as it is
     disable: bool
-    # XACCEL_PATTERNS (every pattern but opt-in ones, families.DEFAULT_PATTERNS): the patterns to
+    # XACCEL_PATTERNS (every pattern, families.PATTERNS): the patterns to
     # replace, a comma-separated subset of families.PATTERNS
     patterns: frozenset[str]
     # XACCEL_FALLBACK (eager): what runs the rest of the graph, eager or inductor
@@ -71,7 +71,7 @@ def _flag(name: str, default: bool) -> bool:
 def _patterns() -> frozenset[str]:
     raw, known = _raw("XACCEL_PATTERNS"), families.PATTERNS
     if not raw:
-        return frozenset(families.DEFAULT_PATTERNS)
+        return frozenset(families.PATTERNS)
     names = [p.strip() for p in raw.split(",") if p.strip()]
     unknown = [n for n in names if n not in known]
     if unknown or not names:

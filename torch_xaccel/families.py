@@ -34,8 +34,6 @@ class Family:
     # rest of a compile runs eagerly (an inference graph, aot_autograd's forward and backward),
     # after the other passes; its name is a pattern as the passes' are
     rest_passes: dict[str, str] = field(default_factory=dict)
-    # its patterns run only where XACCEL_PATTERNS names them (not part of the default set)
-    opt_in: bool = False
     # "module:function" register(): hooks that must exist before Dynamo traces (library functions
     # traced as xaccel ops); called when the backend loads and at every compile
     trace_hooks: str | None = None
@@ -151,7 +149,6 @@ PASS_ORDER: tuple[str, ...] = ("slstm_step", "slstm", "mlstm_step", "mlstm", "he
                                "group_norm", "skinny_linear", "gemm_epilogue")
 
 PATTERNS: tuple[str, ...] = tuple(p for f in FAMILIES for p in f.patterns)  # what XACCEL_PATTERNS accepts
-DEFAULT_PATTERNS: tuple[str, ...] = tuple(p for f in FAMILIES if not f.opt_in for p in f.patterns)  # when it is unset
 REPORT_KEYS: tuple[str, ...] = tuple(k for f in FAMILIES for k in f.report_keys)  # counts() keys, in order
 DECODE_OPS: frozenset[str] = frozenset(f"xaccel.{op}" for f in FAMILIES for op in f.decode_ops)  # as reports name them
 
