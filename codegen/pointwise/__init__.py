@@ -1,3 +1,3 @@
 """Kernels for the pointwise op: Triton, memory-bound (triton_kernels.py +
 templates/pointwise.py.jinja)."""
-from .triton_kernels import DTYPES, forward, why_not  # noqa: F401
+from .triton_kernels import DTYPES, forward, layout_refusal, why_not  # noqa: F401

@@ -93,6 +93,29 @@ def merged_dims(shape, strides: list[tuple[int, ...]]) -> tuple[list[int], list[
     return [1] * pad + sizes, [[0] * pad + p for p in per]
 
 
+def broadcast_strides(shape, in_shape, in_strides) -> tuple[int, ...]:
+    """An input's strides as read over the group's shape: 0 along the dims it broadcasts over."""
+    pad = len(shape) - len(in_shape)
+    return tuple(0 if d < pad or in_shape[d - pad] == 1 else in_strides[d - pad] for d in range(len(shape)))
+
+
+def walk(program: Program, input_layouts) -> tuple[list[int], list[list[int]]] | None:
+    """merged_dims of a case: the first output (its stores order the dims), every input's
+    (shape, strides) broadcast, then the outputs; None where the kernel cannot walk it."""
+    strides = [program.strides[0]] + [broadcast_strides(program.shape, s, st) for s, st in input_layouts] \
+        + list(program.strides)
+    merged = merged_dims(program.shape, strides)
+    return None if merged is None else (merged[0], merged[1][1:])
+
+
+def layout_refusal(program: Program, input_layouts) -> str | None:
+    """Why the kernel cannot run a group whose inputs have these (shape, strides), or None. The
+    pass asks before it fuses: a call the kernel refuses would run the slower fp32 reference."""
+    if program.strides and walk(program, input_layouts) is None:
+        return f"its operands are laid out differently over more than {MAX_DIMS} dims"
+    return None
+
+
 def _tiles(D1: int, D2: int, strides: list[list[int]]) -> tuple[int, int]:
     """(BLOCK1, BLOCK2): square tiles where some operand runs along D1 (a transposed input),
     else rows as long as D2 allows."""
@@ -144,13 +167,10 @@ def _plan(inputs, program: Program):
     outs = [torch.empty_strided(program.shape, s, dtype=program.torch_dtype, device="meta") for s in program.strides]
     if not outs or outs[0].numel() == 0:
         return program, None, (0,), (), {}
-    strides = [tuple(o.stride()) for o in outs[:1]] + [tuple(torch.broadcast_to(t, program.shape).stride())
-                                                      for t in inputs] + [tuple(o.stride()) for o in outs]
-    merged = merged_dims(program.shape, strides)
+    merged = walk(program, [(t.shape, t.stride()) for t in inputs])
     if merged is None:
         return NotImplemented
     (D0, D1, D2), per = merged
-    per = per[1:]  # (the first output's leading copy only ordered the dims)
     B1, B2 = _tiles(D1, D2, per)
     ints = (D1, D2, *(s for p in per for s in p))
     return program, _kernel(program), (D0 * cdiv(D1, B1) * cdiv(D2, B2),), ints, \

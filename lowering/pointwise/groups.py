@@ -29,7 +29,7 @@ import torch.fx
 from torch_xaccel import runtime
 from torch_xaccel.ops.gemm_epilogue import elementwise
 from torch_xaccel.ops.pointwise.program import DTYPES, Program
-from torch_xaccel.report import GraphReport, Replacement
+from torch_xaccel.report import Fallback, GraphReport, Replacement
 
 from ..graph_utils import location, mutated_nodes, val
 
@@ -123,15 +123,15 @@ def _placeable(ops: list[_Op], pos: dict) -> bool:
     return all(pos[u] > last_input for o in ops for u in o.node.users if u not in inside)
 
 
-def find_groups(graph: torch.fx.Graph) -> list[_Group]:
+def find_groups(graph: torch.fx.Graph, refused: frozenset = frozenset()) -> list[_Group]:
     """Groups in graph order: each op joins its producers' groups where the union stays placeable,
-    else the largest producer group that does, else starts its own."""
+    else the largest producer group that does, else starts its own. Ops of `refused` groups stay out."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     written = mutated_nodes(graph)
     group_of: dict = {}
     for node in nodes:
-        op = _fusable(node, written)
+        op = None if node in refused else _fusable(node, written)
         if op is None:
             continue
         producers = []
@@ -202,17 +202,33 @@ def _replace(graph: torch.fx.Graph, group: _Group, program: Program, inputs: lis
         graph.erase_node(o.node)
 
 
+def _kernel_refusal(program: Program, inputs: list) -> str | None:
+    """Why the kernel would not run the group (its call would run the fp32 reference, slower than
+    the ops as written), or None."""
+    try:
+        from torch_xaccel.codegen.pointwise import layout_refusal
+    except ImportError:  # (no Triton: the runtime's fallback names that at the call)
+        return None
+    return layout_refusal(program, [(val(a).shape, val(a).stride()) for a in inputs])
+
+
 def run(gm: torch.fx.GraphModule, report: GraphReport, graph_name: str) -> int:
     """Fuse the graph's groups; the replacements join `report`, noted with `graph_name`
     ("forward", "backward", "inference"). Returns how many groups were fused. One group at a
     time, the next found in the graph as the last left it: a fused group's outputs exist from its
     call on, which decides where a group reading them can go."""
-    groups = []
-    while found := find_groups(gm.graph):
+    groups, refused = [], frozenset()
+    while found := find_groups(gm.graph, refused):
         group = found[0]
-        groups.append(group)
         program, inputs, outputs = _program(group)
         where = location(group.ops[0].node)
+        why = _kernel_refusal(program, inputs)
+        if why is not None:
+            refused |= group.nodes
+            report.fallbacks.append(Fallback(FAMILY, f"{len(group.ops)} elementwise ops left as written: {why}",
+                                             where))
+            continue
+        groups.append(group)
         _replace(gm.graph, group, program, inputs, outputs)
         report.replacements.append(Replacement(
             FAMILY, "xaccel.pointwise",

@@ -86,6 +86,21 @@ def test_a_group_that_cannot_run_as_one_call_is_split():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_group_the_kernel_cannot_walk_stays_as_written_and_is_reported():
+    def f(x, y):
+        return torch.sigmoid(x * y) + 1.0
+    x = torch.randn(8, 8, 32, 32)  # N elements
+    y = torch.randn(32, 32, 8, 8).permute(3, 2, 1, 0)  # strides reversed: no two dims merge for both
+    gm, report, got, want = _fused(f, x, y)
+    assert torch.ops.xaccel.pointwise.default not in _ops(gm) and not report.replacements
+    assert [fb.family for fb in report.fallbacks] == ["pointwise"]
+    assert "laid out differently" in report.fallbacks[0].reason
+    torch.testing.assert_close(got, want)
+    # the same group over inputs of one layout fuses
+    gm, report, got, want = _fused(f, x, y.contiguous())
+    assert _ops(gm).count(torch.ops.xaccel.pointwise.default) == 1 and not report.fallbacks
+
+
 def test_outputs_keep_the_strides_the_graph_has():
     def f(x, y):
         return torch.sigmoid(x.t() * 2.0) + y  # eager lays the result out as x.t() (transposed)
