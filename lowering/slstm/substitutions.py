@@ -65,7 +65,7 @@ from torch_xaccel.ops.slstm import reference
 from torch_xaccel.report import Replacement
 
 from .. import library_hooks
-from ..graph_utils import frames, location, mutated_nodes, val
+from ..graph_utils import frames, location, mutated_nodes, refake_downstream, val
 
 _REGISTERED: set = set()
 _LIBRARY: dict = {}  # function name -> the library's own function, under a new identity (not substituted)
@@ -346,6 +346,7 @@ _REPORTED = "xaccel_slstm_reported"
 def report(gm: torch.fx.GraphModule, ctx) -> None:
     """Drop the recomputed states nothing reads (drop_unread_history), then list every op call
     traced from here as a replacement, once per node (whichever pass calls this first)."""
+    fold_reads_of_assembled_states(gm)
     recomputing = {_call_of(scan) for scan in drop_unread_history(gm)}
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in _OPS or not traced_here(node) or node.meta.get(_REPORTED):
@@ -356,6 +357,75 @@ def report(gm: torch.fx.GraphModule, ctx) -> None:
         note = "every step's states are recomputed too (the code after it reads them)" if node in recomputing else ""
         ctx.report.replacements.append(Replacement(family, op, f"{_PATTERNS.get(fn, 'library sLSTM')} (substituted "
                                                    "while Dynamo traced)", location(node), note))
+
+
+def fold_reads_of_assembled_states(gm: torch.fx.GraphModule) -> None:
+    """The library's code reads h back out of the states_all the substitution assembles
+    (states_all[0, 1:]): a select of a stack traced here, or a slice of a cat traced here, that
+    takes exactly one of its parts (same dtype) reads that part instead. The stack and the cats (a
+    copy of every step's h, c, n and m, and in training the zero-filled gradient buffers of their
+    backward) then go with the rest that nothing reads. Nothing written in place is folded: the
+    part is not a view of the buffer, as the select or slice was."""
+    graph, written = gm.graph, None
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.kwargs:
+            continue
+        try:
+            part = (_stacked_part(node) if node.target is torch.ops.aten.select.int else
+                    _concatenated_part(node) if node.target is torch.ops.aten.slice.Tensor else None)
+        except Exception:  # noqa: BLE001 - a form this fold does not understand stays as written
+            part = None
+        if part is None or not isinstance(val(part), torch.Tensor) or val(part).dtype != val(node).dtype:
+            continue
+        written = mutated_nodes(graph) if written is None else written
+        if {node, node.args[0], part} & written:
+            continue
+        node.replace_all_uses_with(part)
+        graph.erase_node(node)
+        refake_downstream(part)
+
+
+def _stacked_part(select: torch.fx.Node):
+    """The stacked tensor a select of a stack traced here takes, else None."""
+    src = select.args[0]
+    if not (isinstance(src, torch.fx.Node) and src.target is torch.ops.aten.stack.default and traced_here(src)
+            and not src.kwargs and isinstance(val(src), torch.Tensor)):
+        return None
+    rank, parts = val(src).dim(), src.args[0]
+    index = _size_arg(select.args[2])
+    if not isinstance(index, int) or _dim(select.args[1], rank) != _dim(src.args[1] if len(src.args) > 1 else 0, rank):
+        return None
+    index = index + len(parts) if index < 0 else index
+    return parts[index] if 0 <= index < len(parts) else None
+
+
+def _concatenated_part(piece: torch.fx.Node):
+    """The operand a slice of a cat traced here (along the cat's dim, step 1) covers exactly, else None."""
+    src = piece.args[0]
+    if not (isinstance(src, torch.fx.Node) and src.target is torch.ops.aten.cat.default and traced_here(src)
+            and not src.kwargs and isinstance(val(src), torch.Tensor)):
+        return None
+    rank = val(src).dim()
+    dim, start, end, step = (list(map(_size_arg, piece.args[1:])) + [0, None, None, 1][len(piece.args) - 1:])[:4]
+    if step != 1 or _dim(dim, rank) != _dim(src.args[1] if len(src.args) > 1 else 0, rank):
+        return None
+    dim, total, offset = _dim(dim, rank), val(src).shape[_dim(dim, rank)], 0
+    for k, part in enumerate(src.args[0]):
+        size = val(part).shape[dim] if isinstance(val(part), torch.Tensor) else None
+        if size is None:
+            return None
+        last = k == len(src.args[0]) - 1
+        ends = (end is not None and _known(end == offset + size)) or (
+            last and (end is None or _known(end >= total)))
+        if _known((start or 0) == offset) and ends:
+            return part
+        offset = offset + size
+    return None
+
+
+def _size_arg(a):
+    """An int argument as the graph holds it: a symbolic size's node as its SymInt."""
+    return val(a) if isinstance(a, torch.fx.Node) else a
 
 
 def _call_of(scan_node):

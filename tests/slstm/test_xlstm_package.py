@@ -101,6 +101,26 @@ def test_slstm_layer_substituted_equal_to_eager_in_forward_and_gradients(E, NH, 
     assert not report.graph_breaks, str(report)
 
 
+def test_states_all_assembled_for_the_library_is_not_built_where_only_h_is_read(monkeypatch):
+    """The layer reads h back out of the states_all buffer the substitution assembles
+    (states_all[0, 1:]): that read takes the op's h directly, so the lowered graph stacks and
+    concatenates no per-step states (a copy of every step's h, c, n, m, and in training the
+    zero-filled gradient buffers of that copy). Forward and gradients equal to eager."""
+    from torch_xaccel import lowering
+
+    lowered, run_passes = [], lowering.run_passes
+
+    def recording(gm, ctx):
+        out = run_passes(gm, ctx)
+        lowered.append({n.target for n in out.graph.nodes if n.op == "call_function"})
+        return out
+    monkeypatch.setattr(lowering, "run_passes", recording)
+    x = torch.randn(3, 9, 32)
+    report = _compare(_layer(32, 2, 4), lambda m: m(x))
+    assert report.counts()["slstm"] == 1, str(report)
+    assert lowered and not any(torch.ops.aten.stack.default in targets for targets in lowered)
+
+
 def test_given_state_and_return_last_state_equal_to_eager():
     """An initial state (slstm_state, and the conv state) and return_last_state=True: the output,
     the last sLSTM and conv states, and the gradients of the parameters and of the given state."""
