@@ -116,7 +116,7 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False,
                              if template in ("mlstm_bwd.py.jinja", "mlstm_bwd_ds.py.jinja") else
                              dict(row_factors=mlstm_settings.current().scan_row_factors, saved_rows=True)
                              if template == "mlstm_bwd_rows.py.jinja" else
-                             dict(row_factors=mlstm_settings.current().scan_row_factors)
+                             dict(row_factors=mlstm_settings.current().scan_row_factors, final_grads=False)
                              if template == "mlstm_bwd_states.py.jinja" else
                              dict(has_state=False) if template == "mlstm_bwd_route.py.jinja" else {})
                     fn = _load(*mlstm_triton._render(template, dtype, False, **extra))

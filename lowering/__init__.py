@@ -35,8 +35,9 @@ def run_passes(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModu
         if pattern in ctx.config.patterns:
             families.resolve(path)(gm, ctx)
     for family in families.FAMILIES:
-        if family.after_passes and ctx.config.patterns & set(family.patterns):
-            families.resolve(family.after_passes)(gm, ctx)
+        if ctx.config.patterns & set(family.patterns):
+            for path in family.after_passes:
+                families.resolve(path)(gm, ctx)
     gm.graph.lint()
     gm.recompile()
     return gm

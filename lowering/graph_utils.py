@@ -39,16 +39,51 @@ def retarget(node: torch.fx.Node, target) -> bool:
     """Point an op node at another op with the same arguments and its first outputs unchanged (a
     variant returning more), recomputing its fake value; False (node untouched) where the node has
     no fake value to recompute it from."""
+    if _fake_mode(node) is None:
+        return False
+    node.target = target
+    return refake(node)
+
+
+def _fake_mode(node: torch.fx.Node):
     fake = node.meta.get("val")
-    fake_mode = getattr(fake[0], "fake_mode", None) if isinstance(fake, (tuple, list)) and fake else None
+    first = fake[0] if isinstance(fake, (tuple, list)) and fake else fake
+    return getattr(first, "fake_mode", None)
+
+
+def refake(node: torch.fx.Node) -> bool:
+    """Recompute a node's fake value from its arguments' current ones (after a pass changed an
+    argument or what an input produces); False (node untouched) where it has none to recompute."""
+    fake_mode = _fake_mode(node)
     if fake_mode is None:
         return False
-    args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
-    kwargs = {k: a.meta.get("val") if isinstance(a, torch.fx.Node) else a for k, a in node.kwargs.items()}
-    node.target = target
+    args = torch.fx.node.map_arg(node.args, val)
+    kwargs = torch.fx.node.map_arg(node.kwargs, val)
     with fake_mode:
-        node.meta["val"] = target(*args, **kwargs)
+        node.meta["val"] = node.target(*args, **kwargs)
     return True
+
+
+def refake_downstream(node: torch.fx.Node) -> None:
+    """Recompute the fake values of node's users, and on along every user whose value's shape or
+    strides changed, so that later passes planning by layout (the pointwise rest) see the layouts
+    the graph will run with. A user whose value cannot be recomputed keeps its old one (the graph
+    runs the same: only a layout plan may then be conservative)."""
+    stack = [node]
+    while stack:
+        for user in stack.pop().users:
+            before = _layouts(user.meta.get("val"))
+            try:
+                changed = refake(user) and _layouts(user.meta.get("val")) != before
+            except Exception:  # noqa: BLE001 - a fake value is an aid to later passes, not the graph's meaning
+                changed = False
+            if changed:
+                stack.append(user)
+
+
+def _layouts(value) -> list:
+    values = value if isinstance(value, (tuple, list)) else [value]
+    return [(tuple(v.shape), v.stride()) if isinstance(v, torch.Tensor) else None for v in values]
 
 
 def same_shape(s1, s2) -> bool:

@@ -52,7 +52,7 @@ def test_every_family_has_its_folder_in_every_layer():
         for layer in ("torch_xaccel/ops", "lowering", "codegen", "tests"):
             assert (ROOT / layer / family.name / "__init__.py").is_file(), (layer, family.name)
         assert family.ops == f"torch_xaccel.ops.{family.name}"
-        paths = [*family.passes.values(), *family.providers.values(), family.after_passes, family.backward_pass,
+        paths = [*family.passes.values(), *family.providers.values(), *family.after_passes, family.backward_pass,
                  family.trace_hooks]
         for path in filter(None, paths):  # each hook lives in its own family's package
             assert f".{family.name}" in path.split(":")[0], path

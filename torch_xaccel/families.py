@@ -25,8 +25,9 @@ class Family:
     # op name -> its kernel provider "module:function" provider(key, *args) -> outputs | NotImplemented,
     # imported at the first call that can run a kernel (a CUDA tensor, or Triton's interpreter)
     providers: dict[str, str] = field(default_factory=dict)
-    # "module:function" run(gm, ctx) after every pass, when any of the family's patterns is enabled
-    after_passes: str | None = None
+    # "module:function" run(gm, ctx) each, in order, after every pass, when any of the family's
+    # patterns is enabled
+    after_passes: tuple[str, ...] = ()
     # "module:function" backward_pass(cfg) -> run(gm, report) | None: a pass over aot_autograd's
     # backward graphs, run at the first backward call
     backward_pass: str | None = None
@@ -78,7 +79,7 @@ FAMILIES: tuple[Family, ...] = (
                    "mlstm_with_chunk_states": "torch_xaccel.codegen.mlstm:forward_keeping_states",
                    "mlstm_backward": "torch_xaccel.codegen.mlstm:backward",
                    "mlstm_step": "torch_xaccel.codegen.mlstm:step"},
-        after_passes="torch_xaccel.lowering.mlstm.chunk_states:run",
+        after_passes=("torch_xaccel.lowering.mlstm.h_layout:run", "torch_xaccel.lowering.mlstm.chunk_states:run"),
         trace_hooks="torch_xaccel.lowering.mlstm.substitutions:register",
         onnx={"mlstm": "torch_xaccel.ops.mlstm.onnx:mlstm_function",
               "mlstm_step": "torch_xaccel.ops.mlstm.onnx:mlstm_step_function"},
@@ -127,7 +128,7 @@ FAMILIES: tuple[Family, ...] = (
                    "slstm_saving": "torch_xaccel.codegen.slstm:forward_saving",
                    "slstm_backward": "torch_xaccel.codegen.slstm:backward",
                    "slstm_step": "torch_xaccel.codegen.slstm:step"},
-        after_passes="torch_xaccel.lowering.slstm.saving:run",
+        after_passes=("torch_xaccel.lowering.slstm.saving:run",),
         trace_hooks="torch_xaccel.lowering.slstm.substitutions:register",
         decode_ops=("slstm_step",),
         onnx={"slstm": "torch_xaccel.ops.slstm.onnx:slstm_function",

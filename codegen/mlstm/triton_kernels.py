@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from torch_xaccel.ops.mlstm import chunk_states_shapes, gradient_like
+from torch_xaccel.ops.mlstm import chunk_states_shapes, gradient_like, h_like
 from torch_xaccel.ops.mlstm.reference_backward import route_max_grads
 from torch_xaccel.runtime import interpreting
 
@@ -256,13 +256,14 @@ def chunk_states(k, v, i, f, C0, n0, m0, cfg):
     return (Cs, ns, ms), (C, n, m)
 
 
-def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size, keep_chunk_states=False):
+def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False, keep_chunk_states=False):
     """Kernel path for xaccel::mlstm's forward, or NotImplemented for cases it does not cover: the
     chunk-state scan, then every chunk's output in parallel. chunk_size only shapes the
     reference's evaluation; the kernels pick their own chunk length (results agree to rounding).
     keep_chunk_states (xaccel::mlstm_with_chunk_states): also return the state entering each chunk
     of chunk_size positions and each row's den_t and m_t, the forward then running at that chunk
-    length (its own tuning decision), so that a backward walking the same chunks reads them."""
+    length (its own tuning decision), so that a backward walking the same chunks reads them.
+    seq_major_h: h is written in the op's seq-major layout (ops/mlstm/op.h_like)."""
     S = q.shape[2]
     if not _supported(q, k, v, S, "fwd") or \
             keep_chunk_states and not configs.keeping_forward_fits(q.shape[-1], v.shape[-1], q.element_size(),
@@ -275,9 +276,9 @@ def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size, keep_chunk_states=F
         C0, n0 = _pad(C0, *padding), _pad(n0, padding[0])
     q, k, v, i, f = (_strided(t) for t in (q, k, v, i, f))
     if not keep_chunk_states:
-        cfg = _tuned("fwd", q, v, lambda c: _forward(c, q, k, v, i, f, C0, n0, m0, eps))
-        return _forward(cfg, q, k, v, i, f, C0, n0, m0, eps)
-    run = lambda c: _forward_keeping(c, q, k, v, i, f, C0, n0, m0, eps, chunk_size)  # noqa: E731
+        cfg = _tuned("fwd", q, v, lambda c: _forward(c, q, k, v, i, f, C0, n0, m0, eps, seq_major_h))
+        return _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, seq_major_h)
+    run = lambda c: _forward_keeping(c, q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h)  # noqa: E731
     return run(_tuned("fwd", q, v, run, kept=True, chunk=chunk_size))
 
 
@@ -342,9 +343,9 @@ def forward_keeping_states(key, q, *args):
     return forward(key, q, *args, keep_chunk_states=True)
 
 
-def _forward_keeping(cfg, q, k, v, i, f, C0, n0, m0, eps, chunk_size):
+def _forward_keeping(cfg, q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h):
     assert cfg["L"] == chunk_size, (cfg, chunk_size)
-    h, C, n, m, states, rows = _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, keep=True)
+    h, C, n, m, states, rows = _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, seq_major_h, keep=True)
     kept = [t.view(shape) for t, (shape, _) in zip((*states, rows), chunk_states_shapes(q, v, chunk_size))]
     return (h, C, n, m, *kept)
 
@@ -367,17 +368,17 @@ def backward_reads_kept_states(device_type: str, dtype: torch.dtype, DK: int, DV
     return device_type == "cuda" and bool(cands) and all(c["L"] == chunk_size for c in cands)
 
 
-def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, keep=False):
+def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, seq_major_h=False, keep=False):
     """keep: also return the chunk states and each row's (den_t, m_t) [B*H, 2, S] fp32."""
     B, H, S = q.shape[:3]
     dims = _head(q, v)
     DKR, DVR = dims["DKR"], dims["DVR"]
     L = cfg["L"]
     (Cs, ns, ms), (C, n, m) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
-    h = torch.empty(B, H, S, DVR, dtype=q.dtype, device=q.device)
+    h = h_like(q, v, seq_major_h)
     rows = torch.empty(B * H * 2 * S, dtype=torch.float32, device=q.device) if keep else None
     NC = -(-S // L)
-    args = (q, k, v, i, f, h, Cs, ns, ms, *((rows,) if keep else ()), *_rows(q, k, v, i, f), S, NC, DKR ** -0.5,
+    args = (q, k, v, i, f, h, Cs, ns, ms, *((rows,) if keep else ()), *_rows(q, k, v, i, f, h), S, NC, DKR ** -0.5,
             eps)
     meta = dict(**dims, BV=cfg["BV"], L=L, num_warps=cfg["warps"], num_stages=cfg["stages"])
     if cfg.get("BKQ"):  # the sliced output kernel (SLICED)
@@ -460,10 +461,11 @@ def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=
     q, k, v, i, f = (_strided(t) for t in (q, k, v, i, f))
     if h is None:
         h = forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size)[0]
-    h = h.contiguous()
+    h = _strided(h)
     dh = torch.zeros_like(h) if dh is None else _strided(dh)
-    gC = torch.zeros(B, H, DK, DV, device=dev, dtype=f32) if gC is None else gC.float().contiguous()
-    gn = torch.zeros(B, H, DK, device=dev, dtype=f32) if gn is None else gn.float().contiguous()
+    if gC is not None or gn is not None:  # (else the state scan starts from zero: final_grads off)
+        gC = torch.zeros(B, H, DK, DV, device=dev, dtype=f32) if gC is None else gC.float().contiguous()
+        gn = torch.zeros(B, H, DK, device=dev, dtype=f32) if gn is None else gn.float().contiguous()
     gm = torch.zeros(B, H, device=dev, dtype=f32) if gm is None else gm.float()
     padding = _padding(DK, DV)
     if padding:  # (no kept states: the lowering keeps none at a padded head)
@@ -561,16 +563,17 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
         if row_factors else []
     saved = (rows,) if rows is not None else ()
     _launch(_kernel("mlstm_bwd_rows.py.jinja", q.dtype, row_factors=row_factors, saved_rows=bool(saved), **masks),
-        (B * H, NC), q, k, i, f, h, dh, ns, ms, *saved, N, dden, dm, *factors, *_rows(q, k, i, f, dh),
+        (B * H, NC), q, k, i, f, h, dh, ns, ms, *saved, N, dden, dm, *factors, *_rows(q, k, i, f, h, dh),
         S, NC, scale, eps, **dims, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     dCs, dns = _state_buffer(Cs.shape, Cs.dtype, dev), _state_buffer(ns.shape, ns.dtype, dev)
-    dC0, dn0 = _state_buffer(gC.shape, f32, dev), _state_buffer(gn.shape, f32, dev)
+    dC0, dn0 = _state_buffer(CT.shape, f32, dev), _state_buffer(nT.shape, f32, dev)
     DVS = cfg.get("DVS")  # split variant: dv in its own kernel, one program per DV tile
     DKS = cfg.get("DKS")  # and dq, dk in theirs, one program per DK tile (without DVS: dv stays in mlstm_bwd_ds)
     dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
     dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)  # per (chunk, scan tile) parts of <C, dC> at the chunk's end
-    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, row_factors=row_factors, **masks),
-        grid, q, dh, i, f, N, dden, Cs, ns, ms, gC, gn, CT, nT, mT, dCs, dns, dg, dmT, dC0, dn0,
+    final = (gC, gn, CT, nT) if gC is not None else ()
+    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, row_factors=row_factors, final_grads=bool(final), **masks),
+        grid, q, dh, i, f, N, dden, Cs, ns, ms, *final, mT, dCs, dns, dg, dmT, dC0, dn0,
         *factors, *_rows(q, dh, i, f), S, NC, NT, **dims, BK=BK, BV=BVS, L=L, num_warps=configs.scan_warps(cfg),
         num_stages=stages)
     # the stabilizer of the state leaving each chunk, which scales its gradient in dCs, dns

@@ -159,6 +159,43 @@ def test_mlstm_block_with_projections_around_it():
     assert report.counts()["mlstm"] == 1 and report.counts()["gemm_epilogue"] >= 1
 
 
+def _h_layouts(monkeypatch) -> list:
+    """Records (seq_major_h, the layout h is returned in) of every xaccel.mlstm call."""
+    from torch_xaccel.ops import mlstm as mlstm_op
+
+    calls, run = [], mlstm_op.op.run
+
+    def recorded(*args):
+        outs = run(*args)
+        calls.append((args[10], "seq-major" if outs[0].transpose(1, 2).is_contiguous() else "contiguous"))
+        return outs
+    monkeypatch.setattr(mlstm_op.op, "run", recorded)
+    return calls
+
+
+def test_h_is_written_seq_major_where_every_reader_transposes_it(monkeypatch):
+    """The usual h.transpose(1, 2).reshape(B, S, H*D) after an mLSTM copies h unless the op writes
+    it as [B, S, H, D]: the pass asks for that layout there, and nowhere else (h returned as it
+    is, or read once without the transpose, keeps the layout eager gives it). Equal to eager in
+    forward and gradients either way."""
+    calls = _h_layouts(monkeypatch)
+
+    def heads_merged(q, k, v, i, f):
+        B, H, S, D = v.shape
+        return masked_fill_style(q, k, v, i, f).transpose(1, 2).reshape(B, S, H * D)
+
+    def read_twice(q, k, v, i, f):
+        h = masked_fill_style(q, k, v, i, f)
+        return h.transpose(1, 2).reshape(h.shape[0], h.shape[2], -1).sum(-1) + h.sum((1, 3))
+
+    for fn, want in ((heads_merged, (True, "seq-major")), (masked_fill_style, (False, "contiguous")),
+                     (read_twice, (False, "contiguous"))):
+        calls.clear()
+        report = check_compiled(fn, _inputs(seed=8), tol=2e-5)
+        assert report.counts()["mlstm"] == 1, str(report)
+        assert calls and set(calls) == {want}, (fn.__name__, calls)
+
+
 def wrong_scale(q, k, v, i, f):
     S, D = q.shape[-2], q.shape[-1]
     Fc = F.logsigmoid(f).cumsum(-1)
@@ -216,8 +253,8 @@ def test_training_graph_keeps_chunk_states_unless_switched_off(xaccel_env, monke
     xaccel_env(XACCEL_MLSTM_KEEP_STATES=keep)
     monkeypatch.setattr(mlstm_kernels, "backward_reads_kept_states", lambda *a: True)
     kept, handed = [], []
-    monkeypatch.setattr(mlstm_op.op, "_reference_saving", lambda *a: kept.append(1) or mlstm_op.reference.forward(
-        *a, keep_chunk_states=True))
+    reference_saving = mlstm_op.op._reference_saving
+    monkeypatch.setattr(mlstm_op.op, "_reference_saving", lambda *a: kept.append(1) or reference_saving(*a))
     backward_reference = mlstm_op.op._backward_reference
     monkeypatch.setattr(mlstm_op.op, "_backward_reference",
                         lambda *a: handed.append(len(a[-1])) or backward_reference(*a))

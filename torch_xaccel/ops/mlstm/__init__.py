@@ -6,4 +6,4 @@ as ops of their own) and xaccel::mlstm_step (one recurrent step, for decoding).
 - op.py: their registration (schemas, fakes, autograd)
 """
 from . import op  # noqa: F401  (registers torch.ops.xaccel.mlstm*, mlstm_step)
-from .op import DIRECT_CALLS, chunk_states_shapes, gradient_like, gradient_strides  # noqa: F401
+from .op import DIRECT_CALLS, chunk_states_shapes, gradient_like, gradient_strides, h_like  # noqa: F401

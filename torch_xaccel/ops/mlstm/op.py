@@ -18,55 +18,82 @@ OP_NAME = "mlstm"
 SAVING_OP_NAME = "mlstm_with_chunk_states"
 
 
-def case_key(q, k, v, i, f, C0, n0, m0, eps, chunk_size) -> tuple:
-    return (q.device.type, q.dtype, q.shape, v.shape, C0 is not None)
+def case_key(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False) -> tuple:
+    return (q.device.type, q.dtype, q.shape, v.shape, C0 is not None, seq_major_h)
 
 
-def _reference_saving(*args):
-    return reference.forward(*args, keep_chunk_states=True)
+def _reference(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False):
+    return reference.forward(q, k, v, i, f, C0, n0, m0, eps, chunk_size)
 
 
-def run(q, k, v, i, f, C0, n0, m0, eps, chunk_size):
-    """Outputs are contiguous whatever path ran, as the fake function promises."""
-    outs = runtime.dispatch(OP_NAME, case_key, reference.forward, q, k, v, i, f, C0, n0, m0, eps, chunk_size)
-    return tuple(o.contiguous() for o in outs)
+def _reference_saving(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False):
+    return reference.forward(q, k, v, i, f, C0, n0, m0, eps, chunk_size, keep_chunk_states=True)
+
+
+def h_like(q: Tensor, v: Tensor, seq_major_h: bool) -> Tensor:
+    """An empty h [B, H, S, DV] in the layout the op promises: contiguous, or with seq_major_h
+    the [B, H, S, DV] view of a contiguous [B, S, H, DV] (what h.transpose(1, 2).reshape(B, S, -1),
+    the usual next step, then reads as a view instead of copying)."""
+    B, H, S = q.shape[:3]
+    if seq_major_h:
+        return q.new_empty(B, S, H, v.shape[-1]).transpose(1, 2)
+    return q.new_empty(B, H, S, v.shape[-1])
+
+
+def _promised(outs, q, v, seq_major_h: bool) -> tuple:
+    """The outputs as the fake function promises them whatever path ran: h in h_like's layout,
+    the rest contiguous."""
+    h = outs[0]
+    if seq_major_h and h.transpose(1, 2).is_contiguous() or not seq_major_h and h.is_contiguous():
+        return (h, *(o.contiguous() for o in outs[1:]))
+    return (h_like(q, v, seq_major_h).copy_(h), *(o.contiguous() for o in outs[1:]))
+
+
+def run(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False):
+    outs = runtime.dispatch(OP_NAME, case_key, _reference, q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h)
+    return _promised(outs, q, v, seq_major_h)
 
 
 @torch.library.custom_op("xaccel::mlstm", mutates_args=())
 def mlstm(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor | None, n0: Tensor | None,
-          m0: Tensor | None, eps: float, chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return run(q, k, v, i, f, C0, n0, m0, eps, chunk_size)
+          m0: Tensor | None, eps: float, chunk_size: int, seq_major_h: bool = False
+          ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """seq_major_h: h's memory is [B, S, H, DV] (h_like); the graph pass sets it where every
+    reader of h transposes it to that order first (lowering/mlstm/h_layout.py)."""
+    return run(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h)
 
 
 @torch.library.custom_op("xaccel::mlstm_with_chunk_states", mutates_args=())
 def mlstm_with_chunk_states(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor | None,
-                            n0: Tensor | None, m0: Tensor | None, eps: float, chunk_size: int
+                            n0: Tensor | None, m0: Tensor | None, eps: float, chunk_size: int,
+                            seq_major_h: bool = False
                             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """xaccel::mlstm plus the state entering each chunk (C, n, m per chunk) and each row's den and
     m (chunk_states_shapes), which its backward reads instead of recomputing them: the op a
     training graph runs where the kernels' backward reads them. Those and the final state are
     saved for the backward, so modifying any of them in place before it raises autograd's version
     error (as for any saved output)."""
-    outs = runtime.dispatch(SAVING_OP_NAME, case_key, _reference_saving, q, k, v, i, f, C0, n0, m0, eps, chunk_size)
-    return tuple(o.contiguous() for o in outs)
+    outs = runtime.dispatch(SAVING_OP_NAME, case_key, _reference_saving, q, k, v, i, f, C0, n0, m0, eps, chunk_size,
+                            seq_major_h)
+    return _promised(outs, q, v, seq_major_h)
 
 
 @mlstm.register_fake
-def _fake(q, k, v, i, f, C0, n0, m0, eps, chunk_size):
+def _fake(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False):
     B, H, S, DK = q.shape
     cd = compute_dtype(q)
-    return (q.new_empty(B, H, S, v.shape[-1]), q.new_empty(B, H, DK, v.shape[-1], dtype=cd),
+    return (h_like(q, v, seq_major_h), q.new_empty(B, H, DK, v.shape[-1], dtype=cd),
             q.new_empty(B, H, DK, dtype=cd), q.new_empty(B, H, dtype=cd))
 
 
 @mlstm_with_chunk_states.register_fake
-def _fake_saving(q, k, v, i, f, C0, n0, m0, eps, chunk_size):
+def _fake_saving(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False):
     kept = tuple(q.new_empty(shape, dtype=dtype) for shape, dtype in chunk_states_shapes(q, v, chunk_size))
-    return _fake(q, k, v, i, f, C0, n0, m0, eps, chunk_size) + kept
+    return _fake(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h) + kept
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, i, f, C0, n0, m0, eps, chunk_size = inputs
+    q, k, v, i, f, C0, n0, m0, eps, chunk_size, _seq_major_h = inputs
     ctx.has_state = C0 is not None
     # the output h too: the backward kernels read h . dh instead of recomputing the numerator;
     # with kept chunk states, those and the final state (the backward's scan needs neither rerun)
@@ -156,7 +183,7 @@ def _backward(ctx, gh, gC, gn, gm, *_kept_grads):
     state = rest if ctx.has_state else [None, None, None]
     grads = torch.ops.xaccel.mlstm_backward(gh, gC, gn, gm, *saved[:5], *state, ctx.eps, ctx.chunk_size, saved[5],
                                             kept)
-    return (*grads, *([None] * (8 - len(grads))), None, None)
+    return (*grads, *([None] * (8 - len(grads))), None, None, None)
 
 
 mlstm.register_autograd(_backward, setup_context=_setup_context)
