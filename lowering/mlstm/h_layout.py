@@ -15,7 +15,7 @@ import torch
 import torch.fx
 
 from .. import PassContext
-from ..graph_utils import refake, refake_downstream
+from ..graph_utils import named_arguments, refake, refake_downstream
 
 _N_ARGS = 10  # xaccel::mlstm's arguments before seq_major_h
 
@@ -32,7 +32,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
 
 
 def _seq_major(node: torch.fx.Node) -> bool:
-    return bool(node.args[_N_ARGS] if len(node.args) > _N_ARGS else node.kwargs.get("seq_major_h", False))
+    return bool((named_arguments(node) or {}).get("seq_major_h", False))
 
 
 def _h_readers_transpose(node: torch.fx.Node) -> bool:

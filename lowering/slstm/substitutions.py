@@ -387,13 +387,12 @@ def fold_reads_of_assembled_states(gm: torch.fx.GraphModule) -> None:
 
 def _stacked_part(select: torch.fx.Node):
     """The stacked tensor a select of a stack traced here takes, else None."""
-    src = select.args[0]
-    if not (isinstance(src, torch.fx.Node) and src.target is torch.ops.aten.stack.default and traced_here(src)
-            and not src.kwargs and isinstance(val(src), torch.Tensor)):
+    src = _assembled_here(select.args[0], torch.ops.aten.stack.default)
+    if src is None:
         return None
     rank, parts = val(src).dim(), src.args[0]
     index = _size_arg(select.args[2])
-    if not isinstance(index, int) or _dim(select.args[1], rank) != _dim(src.args[1] if len(src.args) > 1 else 0, rank):
+    if not isinstance(index, int) or _dim(select.args[1], rank) != _joined_dim(src):
         return None
     index = index + len(parts) if index < 0 else index
     return parts[index] if 0 <= index < len(parts) else None
@@ -401,15 +400,14 @@ def _stacked_part(select: torch.fx.Node):
 
 def _concatenated_part(piece: torch.fx.Node):
     """The operand a slice of a cat traced here (along the cat's dim, step 1) covers exactly, else None."""
-    src = piece.args[0]
-    if not (isinstance(src, torch.fx.Node) and src.target is torch.ops.aten.cat.default and traced_here(src)
-            and not src.kwargs and isinstance(val(src), torch.Tensor)):
+    src = _assembled_here(piece.args[0], torch.ops.aten.cat.default)
+    if src is None:
         return None
-    rank = val(src).dim()
     dim, start, end, step = (list(map(_size_arg, piece.args[1:])) + [0, None, None, 1][len(piece.args) - 1:])[:4]
-    if step != 1 or _dim(dim, rank) != _dim(src.args[1] if len(src.args) > 1 else 0, rank):
+    dim = _dim(dim, val(src).dim())
+    if step != 1 or dim != _joined_dim(src):
         return None
-    dim, total, offset = _dim(dim, rank), val(src).shape[_dim(dim, rank)], 0
+    total, offset = val(src).shape[dim], 0
     for k, part in enumerate(src.args[0]):
         size = val(part).shape[dim] if isinstance(val(part), torch.Tensor) else None
         if size is None:
@@ -421,6 +419,19 @@ def _concatenated_part(piece: torch.fx.Node):
             return part
         offset = offset + size
     return None
+
+
+def _assembled_here(node, target):
+    """node when it is a `target` (stack or cat) call traced here with a tensor value, else None."""
+    if (isinstance(node, torch.fx.Node) and node.target is target and traced_here(node) and not node.kwargs
+            and isinstance(val(node), torch.Tensor)):
+        return node
+    return None
+
+
+def _joined_dim(node) -> int:
+    """The dim a stack or cat node joins along, non-negative."""
+    return _dim(node.args[1] if len(node.args) > 1 else 0, val(node).dim())
 
 
 def _size_arg(a):
