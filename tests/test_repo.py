@@ -14,7 +14,7 @@ def _readme_commands():
 def test_readme_starts_with_demo_and_test_commands_and_ci_runs_the_test_one():
     cmds = _readme_commands()
     assert cmds[:2] == ["bash scripts/setup.sh && python3 -m torch_xaccel.demo",
-                        "bash scripts/setup.sh && python3 -m pytest -q"], cmds
+                        "bash scripts/setup.sh && python3 -m pytest -q -n auto --maxprocesses 4"], cmds
     assert cmds[1] in (ROOT / ".ci" / "run").read_text()
 
 
