@@ -2,13 +2,17 @@
 S1024, bf16, its sLSTM on the vanilla backend, compiled with backend="xaccel"): prefill and train step (forward +
 backward of a mean-square loss) under the torch profiler, the top kernels by GPU time, then the
 ATen ops by self GPU time with their input shapes (where the copies come from), then the ops by
-host time (where a host-bound step spends its CPU time). Run on the GPU machine:
+host time and the Python functions by own time (where a host-bound step spends its CPU time). Run
+on the GPU machine:
 
     python benchmarks/stack_profile.py [--slstm-at 7] [--blocks 8] [--top 40] [--embedding 2048 --heads 8]
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import time
 
 import torch
@@ -65,6 +69,22 @@ def main() -> None:
               f"{sum(e.self_cpu_time_total for e in host) / 1e3:.3f} ms in all)", flush=True)
         for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:args.top]:
             print(f"  {e.self_cpu_time_total / 1e3:8.3f} ms x{e.count:<5d} {e.key[:100]}", flush=True)
+        _host_python(name, run, args.top)
+
+
+def _host_python(name: str, run, top: int) -> None:
+    """Five steps under cProfile: the Python functions with the most own time (a Triton launcher,
+    the runtime's dispatch, a wrapper), which the torch profiler's op table does not show."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(5):
+        run()
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    print(f"--- {name}: Python functions by own time over 5 steps (cProfile)", flush=True)
+    print(out.getvalue(), flush=True)
 
 
 if __name__ == "__main__":
