@@ -53,7 +53,8 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
             run()
             torch.cuda.synchronize()
-        kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+        averages = prof.key_averages()
+        kernels = [e for e in averages if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
         print(f"\n=== {name}: wall {wall:.3f} ms, kernel time "
               f"{sum(e.self_device_time_total for e in kernels) / 1e3:.3f} ms", flush=True)
         for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:args.top]:
@@ -64,7 +65,7 @@ def main() -> None:
         for e in sorted(ops, key=lambda e: -e.device_time_total)[:args.top]:
             print(f"  {e.device_time_total / 1e3:8.3f} ms x{e.count:<4d} {e.key[:32]:32s} {str(e.input_shapes)[:120]}",
                   flush=True)
-        host = [e for e in prof.key_averages() if e.device_type.name == "CPU" and e.self_cpu_time_total > 0]
+        host = [e for e in averages if e.device_type.name == "CPU" and e.self_cpu_time_total > 0]
         print(f"--- {name}: host time by op (self CPU time under the profiler, which inflates it; "
               f"{sum(e.self_cpu_time_total for e in host) / 1e3:.3f} ms in all)", flush=True)
         for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:args.top]:
