@@ -1,9 +1,9 @@
 """Where the xlstm package's xLSTMBlockStack spends its time (E768 and 4 heads unless given, B16
 S1024, bf16, its sLSTM on the vanilla backend, compiled with backend="xaccel"): prefill and train step (forward +
 backward of a mean-square loss) under the torch profiler, the top kernels by GPU time, then the
-ATen ops by self GPU time with their input shapes (where the copies come from), then the ops by
-host time and the Python functions by own time (where a host-bound step spends its CPU time). Run
-on the GPU machine:
+ATen ops by self GPU time with their input shapes (where the copies come from), then where the GPU
+sat idle and what the host did meanwhile (model_profile's --gaps), and the Python functions by own
+time (where a host-bound step spends its CPU time). Run on the GPU machine:
 
     python benchmarks/stack_profile.py [--slstm-at 7] [--blocks 8] [--top 40] [--embedding 2048 --heads 8]
 """
@@ -16,6 +16,7 @@ import pstats
 import time
 
 import torch
+from model_profile import idle_gaps  # benchmarks/ is on the path when this script runs
 from torch.profiler import ProfilerActivity, profile
 
 from torch_xaccel.bench import _slstm_stack
@@ -65,11 +66,7 @@ def main() -> None:
         for e in sorted(ops, key=lambda e: -e.device_time_total)[:args.top]:
             print(f"  {e.device_time_total / 1e3:8.3f} ms x{e.count:<4d} {e.key[:32]:32s} {str(e.input_shapes)[:120]}",
                   flush=True)
-        host = [e for e in averages if e.device_type.name == "CPU" and e.self_cpu_time_total > 0]
-        print(f"--- {name}: host time by op (self CPU time under the profiler, which inflates it; "
-              f"{sum(e.self_cpu_time_total for e in host) / 1e3:.3f} ms in all)", flush=True)
-        for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:args.top]:
-            print(f"  {e.self_cpu_time_total / 1e3:8.3f} ms x{e.count:<5d} {e.key[:100]}", flush=True)
+        idle_gaps(run, args.top)
         _host_python(name, run, args.top)
 
 
