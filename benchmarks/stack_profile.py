@@ -2,8 +2,8 @@
 S1024, bf16, its sLSTM on the vanilla backend, compiled with backend="xaccel"): prefill and train step (forward +
 backward of a mean-square loss) under the torch profiler, the top kernels by GPU time, then the
 ATen ops by self GPU time with their input shapes (where the copies come from), then where the GPU
-sat idle and what the host did meanwhile (model_profile's --gaps), and the Python functions by own
-time (where a host-bound step spends its CPU time). Run on the GPU machine:
+sat idle and what the host did meanwhile (model_profile's --gaps), the calls that make the host
+wait for the GPU, and the Python functions by own and cumulative time (where a host-bound step spends its CPU time). Run on the GPU machine:
 
     python benchmarks/stack_profile.py [--slstm-at 7] [--blocks 8] [--top 40] [--embedding 2048 --heads 8]
 """
@@ -14,6 +14,7 @@ import cProfile
 import io
 import pstats
 import time
+import warnings
 
 import torch
 from model_profile import idle_gaps  # benchmarks/ is on the path when this script runs
@@ -67,7 +68,25 @@ def main() -> None:
             print(f"  {e.device_time_total / 1e3:8.3f} ms x{e.count:<4d} {e.key[:32]:32s} {str(e.input_shapes)[:120]}",
                   flush=True)
         idle_gaps(run, args.top)
+        _syncs(name, run)
         _host_python(name, run, args.top)
+
+
+def _syncs(name: str, run) -> None:
+    """The calls in one step that make the host wait for the GPU (torch's sync debug mode): each
+    one lets the GPU drain and then sit idle while the host launches again."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run()
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    found = [w for w in caught if "synchroniz" in str(w.message)]
+    print(f"--- {name}: {len(found)} synchronizing call(s) in one step", flush=True)
+    for w in found[:10]:
+        print(f"  {w.filename}:{w.lineno}: {str(w.message)[:100]}", flush=True)
 
 
 def _host_python(name: str, run, top: int) -> None:
@@ -79,10 +98,11 @@ def _host_python(name: str, run, top: int) -> None:
         run()
     torch.cuda.synchronize()
     prof.disable()
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
-    print(f"--- {name}: Python functions by own time over 5 steps (cProfile)", flush=True)
-    print(out.getvalue(), flush=True)
+    for order in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(order).print_stats(top)
+        print(f"--- {name}: Python functions by {order} time over 5 steps (cProfile)", flush=True)
+        print(out.getvalue(), flush=True)
 
 
 if __name__ == "__main__":

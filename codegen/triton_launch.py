@@ -67,3 +67,17 @@ class LaunchCache:
             if len(self.entries) >= self.limit:
                 self.entries.clear()
             self.entries[key] = DirectLaunch.capture(kernel, compiled, grid, meta, len(args), tensors) or False
+
+    def launch_any(self, kernel, grid: tuple, args: tuple, meta: dict) -> None:
+        """launch() with the key made from the call itself: the kernel, the grid, the constexprs and
+        every argument that is not a tensor or a float (integers and None specialise the compiled
+        kernel; a float is passed as fp32 whatever its value). For kernels whose shapes and
+        strides vary with the case, at a few microseconds a call for the key."""
+        tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
+        key = (kernel, tuple(grid), tuple(meta.items()),
+               tuple(_TENSOR if isinstance(a, torch.Tensor) else float if isinstance(a, float) else a for a in args))
+        self.launch(key, kernel, grid, args, meta, tensors)
+
+
+_TENSOR = object()  # a tensor's place in launch_any's key (its dtype and alignment are the guard's)
+

@@ -26,10 +26,13 @@ def _same_name(overload: str, *names: str) -> dict:
 #                the keyword arguments it accepts under the same names)
 FAST_CALLS = {
     **_same_name("default", "neg", "exp", "log", "log1p", "sqrt", "rsqrt", "abs", "tanh", "sigmoid", "maximum",
-                 "minimum", "matmul", "mm", "bmm", "embedding", "reshape", "permute", "t", "unsqueeze", "cat"),
+                 "minimum", "matmul", "mm", "bmm", "embedding", "reshape", "permute", "t", "unsqueeze", "cat",
+                 "detach", "native_layer_norm", "layer_norm"),
     **_same_name("Tensor", "mul", "div"),
     **_same_name("int", "transpose", "select"),
     aten.squeeze.dim: (torch.squeeze, set()),
+    aten.split.Tensor: (torch._C._VariableFunctions.split, set()),  # torch.split is a Python wrapper
+    aten.einsum.default: (torch._C._VariableFunctions.einsum, set()),  # so is torch.einsum
     aten.pow.Tensor_Scalar: (torch.pow, set()),
     aten.where.self: (torch.where, set()),
     aten.var.dim: (torch.var, set()),
@@ -40,6 +43,7 @@ FAST_CALLS = {
     aten.addmm.default: (torch.addmm, {"beta", "alpha"}),
     aten.clone.default: (torch.clone, {"memory_format"}),
     aten.silu.default: (torch._C._nn.silu, set()),
+    aten.gelu.default: (torch._C._nn.gelu, {"approximate"}),
     aten.linear.default: (torch._C._nn.linear, set()),
     aten.to.dtype: (torch.Tensor.to, {"non_blocking", "copy", "memory_format"}),
     aten.copy_.default: (torch.Tensor.copy_, {"non_blocking"}),

@@ -70,12 +70,16 @@ def _kernel(template: str, dtype: torch.dtype, **extra):
 _WARMUP = contextvars.ContextVar("xaccel_mlstm_warmup", default=False)
 
 
+_LAUNCHES = LaunchCache()
+
+
 def _launch(kernel, grid, *args, **meta):
-    """kernel[grid](*args, **meta), or only its compile while tuning precompiles candidates."""
+    """kernel[grid](*args, **meta) (from a case's second call, its compiled kernel directly), or
+    only its compile while tuning precompiles candidates."""
     if _WARMUP.get():
         kernel.run(*args, grid=grid, warmup=True, **meta)
     else:
-        kernel[grid](*args, **meta)
+        _LAUNCHES.launch_any(kernel, grid, args, meta)
 
 
 def _warmup(launch, cfg) -> None:
@@ -89,6 +93,7 @@ def _warmup(launch, cfg) -> None:
 
 
 _CHOSEN: dict = {}  # tuning key -> decision, for this process
+_KEYS: dict = {}  # _tuned's case -> its tuning key (a string built from the device name and versions)
 
 
 def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch, kept: bool = False, chunk: int | None = None) -> dict:
@@ -107,9 +112,13 @@ def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch, kept: bool = Fa
         config, candidates = configs.at_chunk(config, chunk), configs.at_chunk(candidates, chunk)
     if interpreting() or q.device.type != "cuda" or not settings.current().tune:
         return config(DK, DV, size)
+    case = (phase, kept, chunk, q.dtype, q.shape[-1], v.shape[-1], S, B * H, q.device)
+    known = _KEYS.get(case)
+    if known in _CHOSEN:  # decided in this process: the key is not built again
+        return _CHOSEN[known].config
     parts = (f"mlstm_{phase}{'|kept' if kept else ''}{chunk or ''}|{q.dtype}|DK{q.shape[-1]}|DV{v.shape[-1]}|"
              f"S~{1 << (S - 1).bit_length()}|BH~{1 << (B * H - 1).bit_length()}")
-    key = tuning.key("mlstm", parts, q.device, TEMPLATES.digest)
+    key = _KEYS[case] = tuning.key("mlstm", parts, q.device, TEMPLATES.digest)
     if key in _CHOSEN:
         return _CHOSEN[key].config
     default, cands = config(DK, DV, size), candidates(DK, DV, size)  # only on a memo miss

@@ -54,6 +54,14 @@ def render(kernel: str, D: int, NH: int, cfg: dict, dtype: torch.dtype, fresh: s
            clamp_n: bool, save: bool = False) -> tuple[str, str]:
     """(kernel name, source) of the forward ("forward") or backward ("backward") specialised to
     these constants. save: the forward also writes what the backward reads."""
+    return _rendered(kernel, D, NH, tuple(sorted(cfg.items())), dtype, fresh, clamp_gates, clamp_n, save)
+
+
+@functools.lru_cache(maxsize=256)
+def _rendered(kernel: str, D: int, NH: int, cfg: tuple, dtype: torch.dtype, fresh: str, clamp_gates: bool,
+              clamp_n: bool, save: bool) -> tuple[str, str]:
+    """render() once per process and case: every launch asks for its kernel's source."""
+    cfg = dict(cfg)
     values = dict(D=D, NH=NH, BT=configs.BT, dtype=str(dtype).removeprefix("torch."), fresh=fresh,
                   clamp_gates=clamp_gates, clamp_n=clamp_n, save=save, share_bytes=configs.share_bytes(dtype), **cfg)
     tag = hashlib.sha256(repr(sorted(values.items())).encode() + TEMPLATES.digest.encode()).hexdigest()[:16]

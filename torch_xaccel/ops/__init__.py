@@ -12,9 +12,10 @@ from .. import families
 
 families.import_ops()
 
-# op overload -> the plain function behind it. A compiled forward graph runs with autograd already
-# handled by aot_autograd, so it may call these directly and skip the custom-op dispatch (host time
-# that decides whether decode-size calls pay off). Each family's ops module lists its own.
+# op overload -> the plain function behind it. A compiled forward or backward graph runs with
+# autograd already handled by aot_autograd, so it may call these directly and skip the custom-op
+# dispatch (host time that decides whether decode-size calls and training steps pay off). Each
+# family's ops module lists its own.
 DIRECT_CALLS: dict = {}
 for _family in families.FAMILIES:
     if _family.ops:

@@ -73,6 +73,10 @@ def mlstm_with_chunk_states(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tenso
     training graph runs where the kernels' backward reads them. Those and the final state are
     saved for the backward, so modifying any of them in place before it raises autograd's version
     error (as for any saved output)."""
+    return run_saving(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h)
+
+
+def run_saving(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False):
     outs = runtime.dispatch(SAVING_OP_NAME, case_key, _reference_saving, q, k, v, i, f, C0, n0, m0, eps, chunk_size,
                             seq_major_h)
     return _promised(outs, q, v, seq_major_h)
@@ -164,6 +168,10 @@ def mlstm_backward(gh: Tensor | None, gC: Tensor | None, gn: Tensor | None, gm: 
     chunk_states: [] or mlstm_with_chunk_states' kept states and row terms and its final state
     [Cs, ns, ms, rows, C, n, m] (the kernels skip their state scan and q k^T for the row terms
     when their chunk length is chunk_size)."""
+    return run_backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states)
+
+
+def run_backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states):
     grads = runtime.dispatch("mlstm_backward", _backward_key, _backward_reference,
                              gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states)
     dqkv = [_in_gradient_layout(g, t) for g, t in zip(grads[:3], (q, k, v))]
@@ -235,5 +243,9 @@ def _step_backward(ctx, gh, gC, gn, gm):
 
 mlstm_step.register_autograd(_step_backward, setup_context=_step_setup_context)
 
-# called directly by compiled forward graphs (ops.DIRECT_CALLS), past the dispatcher
-DIRECT_CALLS = {torch.ops.xaccel.mlstm_step.default: run_step}
+# called directly by compiled graphs (ops.DIRECT_CALLS), past the dispatcher: through it, a
+# training step's calls of these ops cost more host time than their kernels take (docs/benchmarks.md)
+DIRECT_CALLS = {torch.ops.xaccel.mlstm.default: run,
+                torch.ops.xaccel.mlstm_with_chunk_states.default: run_saving,
+                torch.ops.xaccel.mlstm_backward.default: run_backward,
+                torch.ops.xaccel.mlstm_step.default: run_step}

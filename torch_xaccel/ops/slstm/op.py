@@ -82,6 +82,10 @@ def slstm_saving(Wx: Tensor, R: Tensor, b: Tensor, h0: Tensor | None, c0: Tensor
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """xaccel::slstm plus what its backward kernels read (kept_shapes): the op a training graph
     runs, so that the backward does not run the forward again."""
+    return run_saving(Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n)
+
+
+def run_saving(Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n):
     reference.check(Wx, R, b, fresh)
     _check_state(Wx, (h0, c0, n0, m0))
     outs = runtime.dispatch(SAVING_OP_NAME, case_key, _reference_saving, Wx, R, b, h0, c0, n0, m0, fresh,
@@ -135,6 +139,10 @@ def slstm_backward(gy: Tensor | None, ghT: Tensor | None, gcT: Tensor | None, gn
     """[dWx, dR, db] (+ [dh0, dc0, dn0, dm0] with an initial state), each contiguous in its
     input's shape. y: the forward's output (the kernels read h_{t-1} from it); kept: [] or
     xaccel::slstm_saving's kept states (else the kernels run the forward again to get them)."""
+    return run_backward(gy, ghT, gcT, gnT, gmT, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n, y, kept)
+
+
+def run_backward(gy, ghT, gcT, gnT, gmT, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n, y, kept):
     grads = runtime.dispatch(BACKWARD_OP_NAME, _backward_key, _backward_reference, gy, ghT, gcT, gnT, gmT, Wx, R, b,
                              h0, c0, n0, m0, fresh, clamp_gates, clamp_n, y, kept)
     return [g.contiguous() for g in grads]
@@ -186,4 +194,9 @@ def _step_backward(ctx, gh, gc, gn, gm):
 
 slstm_step.register_autograd(_step_backward, setup_context=_step_setup_context)
 
-DIRECT_CALLS = {torch.ops.xaccel.slstm_step.default: run_step}
+# called directly by compiled graphs (ops.DIRECT_CALLS), past the dispatcher: through it, a
+# training step's calls of these ops cost more host time than their kernels take (docs/benchmarks.md)
+DIRECT_CALLS = {torch.ops.xaccel.slstm.default: run,
+                torch.ops.xaccel.slstm_saving.default: run_saving,
+                torch.ops.xaccel.slstm_backward.default: run_backward,
+                torch.ops.xaccel.slstm_step.default: run_step}
