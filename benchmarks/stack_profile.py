@@ -3,7 +3,8 @@ S1024, bf16, its sLSTM on the vanilla backend, compiled with backend="xaccel"): 
 backward of a mean-square loss) under the torch profiler, the top kernels by GPU time, then the
 ATen ops by self GPU time with their input shapes (where the copies come from), then where the GPU
 sat idle and what the host did meanwhile (model_profile's --gaps), the calls that make the host
-wait for the GPU, and the Python functions by own and cumulative time (where a host-bound step spends its CPU time). Run on the GPU machine:
+wait for the GPU, and the Python functions by own and cumulative time (where a host-bound step
+spends its CPU time). Run on the GPU machine:
 
     python benchmarks/stack_profile.py [--slstm-at 7] [--blocks 8] [--top 40] [--embedding 2048 --heads 8]
 """

@@ -80,4 +80,3 @@ class LaunchCache:
 
 
 _TENSOR = object()  # a tensor's place in launch_any's key (its dtype and alignment are the guard's)
-

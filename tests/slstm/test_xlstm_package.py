@@ -210,6 +210,30 @@ def test_block_stack_with_slstm_and_mlstm_blocks_equal_to_eager(S, slstm_at):
     assert not any(r.note for r in report.replacements if r.family == "slstm"), str(report)
 
 
+def test_block_stack_training_graphs_call_the_ops_past_the_dispatcher(monkeypatch):
+    """A compiled train step's forward and backward graphs call every xaccel op's body directly
+    (ops.DIRECT_CALLS): through the dispatcher, the mLSTM and sLSTM calls of a training step cost
+    more host time than their kernels. The step still equals eager."""
+    from torch_xaccel import backend
+
+    lowered = []
+    real = backend.eager_calls.rewrite
+    monkeypatch.setattr(backend.eager_calls, "rewrite", lambda g: lowered.append(real(g)) or lowered[-1])
+    x = torch.randn(2, 17, 64)
+    report = _compare(_block_stack([1]), lambda m: m(x))
+    assert report.counts()["slstm"] == 1 and report.counts()["mlstm"] == 2, str(report)
+    targets = [n.target for g in lowered for n in g.graph.nodes if n.op == "call_function"]
+    assert len(lowered) >= 2, "a forward and a backward graph"
+    left = {str(t) for t in targets if isinstance(t, torch._ops.OpOverload) and t.namespace == "xaccel"}
+    assert not left, left
+    from torch_xaccel.ops.mlstm import op as mlstm_op
+    from torch_xaccel.ops.slstm import op as slstm_op
+
+    for op in (mlstm_op, slstm_op):  # the forward keeps its states for the backward where kernels run it
+        assert op.run in targets or op.run_saving in targets, op.__name__
+        assert op.run_backward in targets, op.__name__
+
+
 def test_block_stack_decode_steps_equal_to_eager():
     """xLSTMBlockStack.step (one token through every block, the state dict carried by the caller):
     the sLSTM block's step traces as xaccel.slstm_step, the mLSTM blocks' as xaccel.mlstm_step;
