@@ -15,6 +15,7 @@ its ATen reference costs less per call when the call runs plainly, outside a CUD
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -32,11 +33,17 @@ VERSION = 7  # part of every tuning key: bump when candidate lists or timing met
 
 
 def key(family: str, parts: str, device: torch.device, template_digest: str) -> str:
+    return f"{family}|{parts}|{_machine(device)}|tpl{template_digest}|tv{VERSION}"
+
+
+@functools.lru_cache(maxsize=None)
+def _machine(device: torch.device) -> str:
+    """The GPU and versions part of every key: built once per device, since families build keys
+    on their calls' hot path."""
     import triton
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return (f"{family}|{parts}|{gpu}|torch{torch.__version__}|triton{triton.__version__}|tpl{template_digest}"
-            f"|tv{VERSION}")
+    return f"{gpu}|torch{torch.__version__}|triton{triton.__version__}"
 
 
 @dataclass(frozen=True)

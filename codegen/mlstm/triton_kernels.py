@@ -93,7 +93,6 @@ def _warmup(launch, cfg) -> None:
 
 
 _CHOSEN: dict = {}  # tuning key -> decision, for this process
-_KEYS: dict = {}  # _tuned's case -> its tuning key (a string built from the device name and versions)
 
 
 def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch, kept: bool = False, chunk: int | None = None) -> dict:
@@ -112,13 +111,9 @@ def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch, kept: bool = Fa
         config, candidates = configs.at_chunk(config, chunk), configs.at_chunk(candidates, chunk)
     if interpreting() or q.device.type != "cuda" or not settings.current().tune:
         return config(DK, DV, size)
-    case = (phase, kept, chunk, q.dtype, q.shape[-1], v.shape[-1], S, B * H, q.device)
-    known = _KEYS.get(case)
-    if known in _CHOSEN:  # decided in this process: the key is not built again
-        return _CHOSEN[known].config
     parts = (f"mlstm_{phase}{'|kept' if kept else ''}{chunk or ''}|{q.dtype}|DK{q.shape[-1]}|DV{v.shape[-1]}|"
              f"S~{1 << (S - 1).bit_length()}|BH~{1 << (B * H - 1).bit_length()}")
-    key = _KEYS[case] = tuning.key("mlstm", parts, q.device, TEMPLATES.digest)
+    key = tuning.key("mlstm", parts, q.device, TEMPLATES.digest)
     if key in _CHOSEN:
         return _CHOSEN[key].config
     default, cands = config(DK, DV, size), candidates(DK, DV, size)  # only on a memo miss
