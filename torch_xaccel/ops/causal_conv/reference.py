@@ -25,6 +25,8 @@ def channels_last_like(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 
 def forward(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
     """x [B, C, S], w [C, K], bias [C] or None -> y [B, C, S] in x's dtype."""
+    if x.numel() == 0:  # (conv1d refuses S = 0 where K - 1 zeros of padding are fewer than K)
+        return channels_last_like(x)
     cd, (C, K) = compute_dtype(x), w.shape
     y = F.conv1d(F.pad(x.to(cd), (K - 1, 0)), w.to(cd).unsqueeze(1), None if bias is None else bias.to(cd),
                  groups=C)
@@ -36,6 +38,8 @@ def forward(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
 def backward(dy: Tensor, x: Tensor, w: Tensor, with_bias: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     """(dx [B, C, S] in x's dtype and layout, dw [C, K] and dbias [C] or None in the compute dtype)."""
     cd, (C, K), S = compute_dtype(x), w.shape, x.shape[-1]
+    if x.numel() == 0:  # nothing to convolve: the weight and bias gradients are sums of nothing
+        return channels_last_like(x), w.new_zeros(C, K, dtype=cd), w.new_zeros(C, dtype=cd) if with_bias else None
     g, xc = dy.to(cd), x.to(cd)
     # dx[t] = sum_k w[k] dy[t + K - 1 - k]: the same convolution, anti-causal, with w reversed
     dx = channels_last_like(x)

@@ -7,6 +7,8 @@ import torch
 from torch import Tensor
 
 from ... import runtime
+from .. import checks
+from ..checks import ANY
 from . import reference
 
 OP_NAME = "group_norm"
@@ -18,14 +20,18 @@ def case_key(x, *rest) -> tuple:
 
 
 def run(x: Tensor, weight: Tensor | None, bias: Tensor | None, groups: int, eps: float) -> Tensor:
-    """The op's body. Compiled graphs call it directly (ops.DIRECT_CALLS)."""
+    """The op's body. Compiled graphs call it directly (ops.DIRECT_CALLS). An empty x runs the
+    reference, which returns at once."""
+    if x.numel() == 0:
+        return reference.forward(x, weight, bias, groups, eps)
     return runtime.dispatch(OP_NAME, case_key, reference.forward, x, weight, bias, groups, eps)
 
 
 def run_backward(dy: Tensor, x: Tensor, weight: Tensor | None, groups: int, eps: float,
                  with_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    dx, dw, db = runtime.dispatch(BACKWARD_OP_NAME, lambda dy, x, *rest: case_key(x), reference.backward,
-                                  dy, x, weight, groups, eps, with_bias)
+    args = (dy, x, weight, groups, eps, with_bias)
+    dx, dw, db = reference.backward(*args) if x.numel() == 0 else runtime.dispatch(
+        BACKWARD_OP_NAME, lambda dy, x, *rest: case_key(x), reference.backward, *args)
     empty = dx.new_empty(0, dtype=reference.compute_dtype(x))
     return dx, empty if dw is None else dw, empty if db is None else db
 
@@ -33,11 +39,29 @@ def run_backward(dy: Tensor, x: Tensor, weight: Tensor | None, groups: int, eps:
 @torch.library.custom_op("xaccel::group_norm", mutates_args=())
 def group_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, groups: int, eps: float) -> Tensor:
     """x [N, C] (any strides), weight and bias [C] or None -> y [N, C] contiguous, in x's dtype."""
+    _validate(OP_NAME, x, groups, weight, bias)
     return run(x, weight, bias, groups, eps)
+
+
+def _validate(op: str, x, groups: int, weight=None, bias=None, dy=None) -> None:
+    """x [N, C] with C a multiple of groups >= 1, weight and bias [C] and dy [N, C] where given, all
+    floating (any mix: the op computes in fp32, float64 for a float64 x)."""
+    checks.expect_shape(op, "x", x, "[N, C]", (ANY, ANY))
+    C = x.shape[1]
+    checks.expect_at_least(op, "groups", groups, 1)
+    if checks.differs(C % groups, 0):
+        checks.fail(op, f"groups must divide x's channels C = {C}, got {groups}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None:
+            checks.expect_shape(op, name, t, "[C]", (C,))
+    if dy is not None:
+        checks.expect_shape(op, "dy", dy, "[N, C]", tuple(x.shape))
+    checks.expect_floats(op, dict(x=x, weight=weight, bias=bias, dy=dy))
 
 
 @group_norm.register_fake
 def _fake(x, weight, bias, groups, eps):
+    _validate(OP_NAME, x, groups, weight, bias)
     return x.new_empty(x.shape)
 
 
@@ -46,11 +70,13 @@ def group_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, groups: in
                         with_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(dx [N, C] in x's dtype, dweight [C], dbias [C], the latter two in the compute dtype and
     empty where the forward had none)."""
+    _validate(BACKWARD_OP_NAME, x, groups, weight, dy=dy)
     return run_backward(dy, x, weight, groups, eps, with_bias)
 
 
 @group_norm_backward.register_fake
 def _backward_fake(dy, x, weight, groups, eps, with_bias):
+    _validate(BACKWARD_OP_NAME, x, groups, weight, dy=dy)
     cd = reference.compute_dtype(x)
     C = x.shape[1]
     return (x.new_empty(x.shape), x.new_empty(C if weight is not None else 0, dtype=cd),

@@ -31,6 +31,9 @@ def backward(dy: Tensor, x: Tensor, weight: Tensor | None, groups: int, eps: flo
     over each row's group; dweight = sum over rows of dy xhat, dbias = sum over rows of dy."""
     cd = compute_dtype(x)
     N, C = x.shape
+    if x.numel() == 0:  # no rows (or channels): the weight and bias gradients are sums of nothing
+        zeros = x.new_zeros(C, dtype=cd)
+        return x.new_empty(N, C), zeros if weight is not None else None, zeros.clone() if with_bias else None
     xg = x.to(cd).view(N, groups, -1)
     mean = xg.mean(-1, keepdim=True)
     rstd = torch.rsqrt(xg.var(-1, unbiased=False, keepdim=True) + eps)

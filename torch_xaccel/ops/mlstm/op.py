@@ -10,6 +10,8 @@ import torch
 from torch import Tensor
 
 from ... import runtime
+from .. import checks
+from ..checks import ANY
 from ..recompute import recompute_grads
 from . import reference, reference_backward
 from .reference import chunk_states_shapes, compute_dtype
@@ -28,6 +30,28 @@ def _reference(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False):
 
 def _reference_saving(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False):
     return reference.forward(q, k, v, i, f, C0, n0, m0, eps, chunk_size, keep_chunk_states=True)
+
+
+def _validate(op: str, q, k, v, i, f, C0, n0, m0, chunk_size) -> None:
+    """The sequence ops' contract: q, k [B, H, S, DK] and v [B, H, S, DV] of one floating dtype (the
+    kernels compute them as one), gates [B, H, S], and (C0 [B, H, DK, DV], n0 [B, H, DK], m0 [B, H])
+    all given or none."""
+    checks.expect_shape(op, "q", q, "[B, H, S, DK]", (ANY,) * 4)
+    B, H, S, DK = q.shape
+    checks.expect_shape(op, "k", k, "[B, H, S, DK]", (B, H, S, DK))
+    checks.expect_shape(op, "v", v, "[B, H, S, DV]", (B, H, S, ANY))
+    DV = v.shape[3]
+    checks.expect_shape(op, "i", i, "[B, H, S]", (B, H, S))
+    checks.expect_shape(op, "f", f, "[B, H, S]", (B, H, S))
+    if checks.all_or_none(op, dict(C0=C0, n0=n0, m0=m0), "initial states"):
+        checks.expect_shape(op, "C0", C0, "[B, H, DK, DV]", (B, H, DK, DV))
+        checks.expect_shape(op, "n0", n0, "[B, H, DK]", (B, H, DK))
+        checks.expect_shape(op, "m0", m0, "[B, H]", (B, H))
+    checks.expect_floats(op, dict(q=q, k=k, v=v, i=i, f=f, C0=C0, n0=n0, m0=m0))
+    checks.expect_dtype(op, "k", k, q.dtype, "q")
+    checks.expect_dtype(op, "v", v, q.dtype, "q")
+    checks.expect_at_least(op, "q's head dim DK", DK, 1, " (k is scaled by 1/sqrt(DK))")
+    checks.expect_at_least(op, "chunk_size", chunk_size, 1)
 
 
 def h_like(q: Tensor, v: Tensor, seq_major_h: bool) -> Tensor:
@@ -49,8 +73,14 @@ def _promised(outs, q, v, seq_major_h: bool) -> tuple:
     return (h_like(q, v, seq_major_h).copy_(h), *(o.contiguous() for o in outs[1:]))
 
 
+def _empty(q: Tensor, v: Tensor) -> bool:
+    """An empty batch, sequence or value head: no kernel runs it (the reference returns at once)."""
+    return q.numel() == 0 or v.numel() == 0
+
+
 def run(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False):
-    outs = runtime.dispatch(OP_NAME, case_key, _reference, q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h)
+    args = (q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h)
+    outs = _reference(*args) if _empty(q, v) else runtime.dispatch(OP_NAME, case_key, _reference, *args)
     return _promised(outs, q, v, seq_major_h)
 
 
@@ -60,6 +90,7 @@ def mlstm(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor | No
           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """seq_major_h: h's memory is [B, S, H, DV] (h_like); the graph pass sets it where every
     reader of h transposes it to that order first (lowering/mlstm/h_layout.py)."""
+    _validate(OP_NAME, q, k, v, i, f, C0, n0, m0, chunk_size)
     return run(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h)
 
 
@@ -73,17 +104,24 @@ def mlstm_with_chunk_states(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tenso
     training graph runs where the kernels' backward reads them. Those and the final state are
     saved for the backward, so modifying any of them in place before it raises autograd's version
     error (as for any saved output)."""
+    _validate(SAVING_OP_NAME, q, k, v, i, f, C0, n0, m0, chunk_size)
     return run_saving(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h)
 
 
 def run_saving(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False):
-    outs = runtime.dispatch(SAVING_OP_NAME, case_key, _reference_saving, q, k, v, i, f, C0, n0, m0, eps, chunk_size,
-                            seq_major_h)
+    args = (q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h)
+    outs = _reference_saving(*args) if _empty(q, v) else runtime.dispatch(SAVING_OP_NAME, case_key,
+                                                                          _reference_saving, *args)
     return _promised(outs, q, v, seq_major_h)
 
 
 @mlstm.register_fake
 def _fake(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False):
+    _validate(OP_NAME, q, k, v, i, f, C0, n0, m0, chunk_size)
+    return _fake_outputs(q, v, seq_major_h)
+
+
+def _fake_outputs(q, v, seq_major_h: bool) -> tuple:
     B, H, S, DK = q.shape
     cd = compute_dtype(q)
     return (h_like(q, v, seq_major_h), q.new_empty(B, H, DK, v.shape[-1], dtype=cd),
@@ -92,8 +130,9 @@ def _fake(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False):
 
 @mlstm_with_chunk_states.register_fake
 def _fake_saving(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False):
+    _validate(SAVING_OP_NAME, q, k, v, i, f, C0, n0, m0, chunk_size)
     kept = tuple(q.new_empty(shape, dtype=dtype) for shape, dtype in chunk_states_shapes(q, v, chunk_size))
-    return _fake(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h) + kept
+    return _fake_outputs(q, v, seq_major_h) + kept
 
 
 def _setup_context(ctx, inputs, output):
@@ -168,18 +207,46 @@ def mlstm_backward(gh: Tensor | None, gC: Tensor | None, gn: Tensor | None, gm: 
     chunk_states: [] or mlstm_with_chunk_states' kept states and row terms and its final state
     [Cs, ns, ms, rows, C, n, m] (the kernels skip their state scan and q k^T for the row terms
     when their chunk length is chunk_size)."""
+    _validate_backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, chunk_size, h, chunk_states)
     return run_backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states)
 
 
+def _validate_backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, chunk_size, h, chunk_states) -> None:
+    """The forward's contract, plus the output gradients and h shaped as the forward's outputs and
+    chunk_states as mlstm_with_chunk_states' kept states and final state."""
+    op = "mlstm_backward"
+    _validate(op, q, k, v, i, f, C0, n0, m0, chunk_size)
+    B, H, S, DK = q.shape
+    DV = v.shape[3]
+    final = [("[B, H, DK, DV]", (B, H, DK, DV)), ("[B, H, DK]", (B, H, DK)), ("[B, H]", (B, H))]
+    for name, t, (layout, shape) in zip(("gh", "h", "gC", "gn", "gm"), (gh, h, gC, gn, gm),
+                                        [("[B, H, S, DV]", (B, H, S, DV))] * 2 + final):
+        if t is not None:
+            checks.expect_shape(op, name, t, layout, shape)
+            checks.expect_float(op, name, t)
+    if not chunk_states:
+        return
+    layouts = ("[B, H, NC, DK, DV]", "[B, H, NC, DK]", "[B, H, NC]", "[B, H, 2, S]")
+    kept = [(layout, shape) for layout, (shape, _) in zip(layouts, chunk_states_shapes(q, v, chunk_size))] + final
+    if len(chunk_states) != len(kept):
+        checks.fail(op, f"chunk_states must be [] or mlstm_with_chunk_states' {len(kept)} kept states "
+                        f"[Cs, ns, ms, rows, C, n, m], got {len(chunk_states)} tensors")
+    for j, (t, (layout, shape)) in enumerate(zip(chunk_states, kept)):
+        checks.expect_shape(op, f"chunk_states[{j}]", t, layout, shape)
+        checks.expect_float(op, f"chunk_states[{j}]", t)
+
+
 def run_backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states):
-    grads = runtime.dispatch("mlstm_backward", _backward_key, _backward_reference,
-                             gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states)
+    args = (gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states)
+    grads = _backward_reference(*args) if _empty(q, v) else runtime.dispatch(
+        "mlstm_backward", _backward_key, _backward_reference, *args)
     dqkv = [_in_gradient_layout(g, t) for g, t in zip(grads[:3], (q, k, v))]
     return dqkv + [g.contiguous() for g in grads[3:] if g is not None]
 
 
 @mlstm_backward.register_fake
 def _backward_fake(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states):
+    _validate_backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, chunk_size, h, chunk_states)
     # dq, dk, dv in gradient_strides (their input's layout when dense), the rest contiguous
     return [gradient_like(t) for t in (q, k, v)] + [t.new_empty(t.shape) for t in
                                                     (i, f, *((C0, n0, m0) if C0 is not None else ()))]
@@ -212,18 +279,40 @@ def run_step(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C: Tensor, n
     """The op's body: the kernel if it takes the case, else the reference. Compiled forward graphs
     call this directly (ops.DIRECT_CALLS): the custom-op layer is a large part of a decode step's
     host time."""
-    outs = runtime.dispatch(STEP_OP_NAME, step_case_key, reference.step, q, k, v, i, f, C, n, m, eps, scale_q)
+    args = (q, k, v, i, f, C, n, m, eps, scale_q)
+    outs = reference.step(*args) if _empty(q, v) else runtime.dispatch(STEP_OP_NAME, step_case_key,
+                                                                       reference.step, *args)
     return tuple(o.contiguous() for o in outs)  # as the fake function promises
+
+
+def _validate_step(q, k, v, i, f, C, n, m) -> None:
+    """q, k [B, H, DK], v [B, H, DV], gates [B, H], states C [B, H, DK, DV], n [B, H, DK], m [B, H],
+    all floating (any mix: the step computes in fp32, or float64 for a float64 q)."""
+    op = STEP_OP_NAME
+    checks.expect_shape(op, "q", q, "[B, H, DK]", (ANY,) * 3)
+    B, H, DK = q.shape
+    checks.expect_shape(op, "k", k, "[B, H, DK]", (B, H, DK))
+    checks.expect_shape(op, "v", v, "[B, H, DV]", (B, H, ANY))
+    DV = v.shape[2]
+    checks.expect_shape(op, "i", i, "[B, H]", (B, H))
+    checks.expect_shape(op, "f", f, "[B, H]", (B, H))
+    checks.expect_shape(op, "C", C, "[B, H, DK, DV]", (B, H, DK, DV))
+    checks.expect_shape(op, "n", n, "[B, H, DK]", (B, H, DK))
+    checks.expect_shape(op, "m", m, "[B, H]", (B, H))
+    checks.expect_floats(op, dict(q=q, k=k, v=v, i=i, f=f, C=C, n=n, m=m))
+    checks.expect_at_least(op, "q's head dim DK", DK, 1, " (k or q is scaled by 1/sqrt(DK))")
 
 
 @torch.library.custom_op("xaccel::mlstm_step", mutates_args=())
 def mlstm_step(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C: Tensor, n: Tensor, m: Tensor,
                eps: float, scale_q: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _validate_step(q, k, v, i, f, C, n, m)
     return run_step(q, k, v, i, f, C, n, m, eps, scale_q)
 
 
 @mlstm_step.register_fake
 def _step_fake(q, k, v, i, f, C, n, m, eps, scale_q=False):
+    _validate_step(q, k, v, i, f, C, n, m)
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
     return (q.new_empty(v.shape), C.new_empty(C.shape, dtype=cd), n.new_empty(n.shape, dtype=cd),
             m.new_empty(m.shape, dtype=cd))

@@ -47,6 +47,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor | 
     in fp32/fp64, and each row's (den[t], m[t]) [B,H,2,S] in fp32/fp64 (the kernels' layout;
     chunk_states_shapes)."""
     B, H, S, DK = q.shape
+    if S == 0:
+        return _empty_sequence(q, v, C0, n0, m0, chunk_size, keep_chunk_states)
     DV = v.shape[-1]
     out_dtype, cd = q.dtype, compute_dtype(q)
     L = chunk_size
@@ -73,6 +75,20 @@ def forward(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor | 
         Cs, ns, ms = (torch.stack(t, dim=2) for t in zip(*entering))
         return h.to(out_dtype), C, n, m, Cs.to(out_dtype), ns, ms, torch.cat(rows, dim=3)[..., :S].contiguous()
     return h.to(out_dtype), C, n, m
+
+
+def _empty_sequence(q: Tensor, v: Tensor, C0, n0, m0, chunk_size: int, keep_chunk_states: bool) -> tuple[Tensor, ...]:
+    """forward's results for S == 0: an empty h, the start state as the final state (copies: an op
+    never returns its inputs; without one, C = n = 0 and m = -inf) and no chunks."""
+    B, H, _, DK = q.shape
+    cd = compute_dtype(q)
+    if C0 is None:
+        state = (q.new_zeros(B, H, DK, v.shape[-1], dtype=cd), q.new_zeros(B, H, DK, dtype=cd),
+                 q.new_full((B, H), float("-inf"), dtype=cd))
+    else:
+        state = tuple(t.to(cd, copy=True) for t in (C0, n0, m0))
+    kept = [q.new_empty(shape, dtype=dtype) for shape, dtype in chunk_states_shapes(q, v, chunk_size)]
+    return (q.new_empty(B, H, 0, v.shape[-1]), *state, *(kept if keep_chunk_states else ()))
 
 
 def prepared(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, chunk_size: int) -> tuple[Tensor, ...]:

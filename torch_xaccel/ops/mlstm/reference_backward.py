@@ -41,10 +41,22 @@ def route_max_grads(dm: Tensor, i: Tensor, Fc: Tensor, m0: Tensor | None):
     return di_ext[..., 1:], dlogf, (di_ext[..., 0] if m0 is not None else None)
 
 
+def _empty_sequence_grads(dC_out, dn_out, dm_out, q, k, v, i, f, C0, n0, m0) -> list:
+    """backward for S == 0, where the final state is the start state: empty input gradients, the
+    final state's gradients as the start state's (copies, in its dtypes; zeros where None)."""
+    grads = [torch.zeros_like(t) for t in (q, k, v, i, f)]
+    if C0 is None:
+        return grads + [None, None, None]
+    return grads + [torch.zeros_like(s) if g is None else g.to(s.dtype, copy=True)
+                    for g, s in zip((dC_out, dn_out, dm_out), (C0, n0, m0))]
+
+
 def backward(dh, dC_out, dn_out, dm_out, q, k, v, i, f, C0=None, n0=None, m0=None, eps=1e-6, chunk_size=64):
     """Gradients (dq, dk, dv, di, df, dC0, dn0, dm0) of xaccel::mlstm given the output gradients
     (any of which may be None)."""
     B, H, S, DK = q.shape
+    if S == 0:
+        return _empty_sequence_grads(dC_out, dn_out, dm_out, q, k, v, i, f, C0, n0, m0)
     DV = v.shape[-1]
     cd = compute_dtype(q)
     L = chunk_size

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ... import runtime
+from .. import checks
 from ..recompute import recompute_grads
 from . import reference, reference_backward
 from .reference import compute_dtype
@@ -26,21 +27,36 @@ def case_key(Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n) -> tuple:
     return (Wx.device.type, Wx.dtype, B, T, NH, D, h0 is not None, fresh, clamp_gates, clamp_n)
 
 
-def _check_state(Wx: Tensor, states) -> None:
-    given = [s is not None for s in states]
-    if any(given) and not all(given):
-        raise ValueError("xaccel::slstm: give all four initial states (h0, c0, n0, m0) or none")
+STATES = ("h0", "c0", "n0", "m0")
+
+
+def _validate(op: str, Wx, R, b, states, fresh) -> None:
+    """The sequence ops' contract: reference.check's, and the four initial states [B, NH, D]
+    (floating) all given or none."""
+    reference.check(Wx, R, b, fresh, op)
     B, _, _, NH, D = Wx.shape
-    for s in states:
-        if s is not None and tuple(s.shape) != (B, NH, D):
-            raise ValueError(f"xaccel::slstm: an initial state must be [B, NH, D] = {[B, NH, D]}, got {list(s.shape)}")
+    named = dict(zip(STATES, states))
+    checks.all_or_none(op, named, "initial states")
+    _validate_states(op, named, (B, NH, D))
+
+
+def _validate_states(op: str, named: dict, shape: tuple) -> None:
+    """Each given tensor of {name: tensor or None} is a floating [B, NH, D] = shape."""
+    for name, t in named.items():
+        if t is not None:
+            checks.expect_shape(op, name, t, "[B, NH, D]", shape)
+            checks.expect_float(op, name, t)
+
+
+def _empty(Wx: Tensor) -> bool:
+    """An empty batch, sequence or head: no kernel runs it (the reference returns at once)."""
+    return Wx.numel() == 0
 
 
 def run(Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n):
-    reference.check(Wx, R, b, fresh)
-    _check_state(Wx, (h0, c0, n0, m0))
-    outs = runtime.dispatch(OP_NAME, case_key, reference.forward, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates,
-                            clamp_n)
+    args = (Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n)
+    outs = reference.forward(*args) if _empty(Wx) else runtime.dispatch(OP_NAME, case_key, reference.forward,
+                                                                        *args)
     return tuple(o.contiguous() for o in outs)
 
 
@@ -50,12 +66,17 @@ def slstm(Wx: Tensor, R: Tensor, b: Tensor, h0: Tensor | None, c0: Tensor | None
           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Wx [B, T, 4, NH, D] (gates i, f, z, o), R [NH, 4, D, D], b [4, NH, D], optional initial
     states [B, NH, D] -> (h [B, T, NH, D], h_T, c_T, n_T, m_T); see reference.py."""
+    _validate(OP_NAME, Wx, R, b, (h0, c0, n0, m0), fresh)
     return run(Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n)
 
 
 @slstm.register_fake
 def _fake(Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n):
-    reference.check(Wx, R, b, fresh)
+    _validate(OP_NAME, Wx, R, b, (h0, c0, n0, m0), fresh)
+    return _fake_outputs(Wx)
+
+
+def _fake_outputs(Wx) -> tuple:
     B, T, _, NH, D = Wx.shape
     cd = compute_dtype(Wx)
     final = [Wx.new_empty(B, NH, D, dtype=cd) for _ in range(4)]
@@ -82,21 +103,22 @@ def slstm_saving(Wx: Tensor, R: Tensor, b: Tensor, h0: Tensor | None, c0: Tensor
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """xaccel::slstm plus what its backward kernels read (kept_shapes): the op a training graph
     runs, so that the backward does not run the forward again."""
+    _validate(SAVING_OP_NAME, Wx, R, b, (h0, c0, n0, m0), fresh)
     return run_saving(Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n)
 
 
 def run_saving(Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n):
-    reference.check(Wx, R, b, fresh)
-    _check_state(Wx, (h0, c0, n0, m0))
-    outs = runtime.dispatch(SAVING_OP_NAME, case_key, _reference_saving, Wx, R, b, h0, c0, n0, m0, fresh,
-                            clamp_gates, clamp_n)
+    args = (Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n)
+    outs = _reference_saving(*args) if _empty(Wx) else runtime.dispatch(SAVING_OP_NAME, case_key,
+                                                                        _reference_saving, *args)
     return tuple(o.contiguous() for o in outs)
 
 
 @slstm_saving.register_fake
 def _fake_saving(Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n):
+    _validate(SAVING_OP_NAME, Wx, R, b, (h0, c0, n0, m0), fresh)
     kept = tuple(Wx.new_empty(shape, dtype=dtype) for shape, dtype in kept_shapes(Wx))
-    return _fake(Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n) + kept
+    return _fake_outputs(Wx) + kept
 
 
 def _setup_context(ctx, inputs, output):
@@ -139,17 +161,40 @@ def slstm_backward(gy: Tensor | None, ghT: Tensor | None, gcT: Tensor | None, gn
     """[dWx, dR, db] (+ [dh0, dc0, dn0, dm0] with an initial state), each contiguous in its
     input's shape. y: the forward's output (the kernels read h_{t-1} from it); kept: [] or
     xaccel::slstm_saving's kept states (else the kernels run the forward again to get them)."""
+    _validate_backward(gy, (ghT, gcT, gnT, gmT), Wx, R, b, (h0, c0, n0, m0), fresh, y, kept)
     return run_backward(gy, ghT, gcT, gnT, gmT, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n, y, kept)
 
 
+def _validate_backward(gy, final_grads, Wx, R, b, states, fresh, y, kept) -> None:
+    """The forward's contract, plus gy and y [B, T, NH, D], the final state's gradients
+    [B, NH, D] and kept as xaccel::slstm_saving's kept states (kept_shapes)."""
+    op = BACKWARD_OP_NAME
+    _validate(op, Wx, R, b, states, fresh)
+    B, T, _, NH, D = Wx.shape
+    _validate_states(op, dict(zip(("ghT", "gcT", "gnT", "gmT"), final_grads)), (B, NH, D))
+    for name, t in (("gy", gy), ("y", y)):
+        if t is not None:
+            checks.expect_shape(op, name, t, "[B, T, NH, D]", (B, T, NH, D))
+            checks.expect_float(op, name, t)
+    if not kept:
+        return
+    if len(kept) != 2:
+        checks.fail(op, f"kept must be [] or xaccel::slstm_saving's 2 kept tensors, got {len(kept)}")
+    for j, (t, (shape, _), layout) in enumerate(zip(kept, kept_shapes(Wx), ("[B, T, 4, NH, D]", "[3, B, T, NH, D]"))):
+        checks.expect_shape(op, f"kept[{j}]", t, layout, shape)
+        checks.expect_float(op, f"kept[{j}]", t)
+
+
 def run_backward(gy, ghT, gcT, gnT, gmT, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n, y, kept):
-    grads = runtime.dispatch(BACKWARD_OP_NAME, _backward_key, _backward_reference, gy, ghT, gcT, gnT, gmT, Wx, R, b,
-                             h0, c0, n0, m0, fresh, clamp_gates, clamp_n, y, kept)
+    args = (gy, ghT, gcT, gnT, gmT, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n, y, kept)
+    grads = _backward_reference(*args) if _empty(Wx) else runtime.dispatch(BACKWARD_OP_NAME, _backward_key,
+                                                                           _backward_reference, *args)
     return [g.contiguous() for g in grads]
 
 
 @slstm_backward.register_fake
 def _backward_fake(gy, ghT, gcT, gnT, gmT, Wx, R, b, h0, c0, n0, m0, fresh, clamp_gates, clamp_n, y, kept):
+    _validate_backward(gy, (ghT, gcT, gnT, gmT), Wx, R, b, (h0, c0, n0, m0), fresh, y, kept)
     return [t.new_empty(t.shape) for t in (Wx, R, b, *((h0, c0, n0, m0) if h0 is not None else ()))]
 
 
@@ -163,21 +208,30 @@ def step_case_key(Wx, R, b, h, c, n, m, fresh, clamp_gates, clamp_n) -> tuple:
 def run_step(Wx: Tensor, R: Tensor, b: Tensor, h: Tensor, c: Tensor, n: Tensor, m: Tensor, fresh: str,
              clamp_gates: bool, clamp_n: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The step op's body; compiled forward graphs call it directly (DIRECT_CALLS)."""
-    reference.check(Wx.unsqueeze(1), R, b, fresh)
-    outs = runtime.dispatch(STEP_OP_NAME, step_case_key, reference.step, Wx, R, b, h, c, n, m, fresh, clamp_gates,
-                            clamp_n)
+    args = (Wx, R, b, h, c, n, m, fresh, clamp_gates, clamp_n)
+    outs = reference.step(*args) if _empty(Wx) else runtime.dispatch(STEP_OP_NAME, step_case_key, reference.step,
+                                                                     *args)
     return tuple(o.contiguous() for o in outs)
+
+
+def _validate_step(Wx, R, b, states, fresh) -> None:
+    """reference.check's contract for one step's Wx [B, 4, NH, D], and the states [B, NH, D]."""
+    reference.check(Wx, R, b, fresh, STEP_OP_NAME)
+    B, _, NH, D = Wx.shape
+    _validate_states(STEP_OP_NAME, dict(zip("hcnm", states)), (B, NH, D))
 
 
 @torch.library.custom_op("xaccel::slstm_step", mutates_args=())
 def slstm_step(Wx: Tensor, R: Tensor, b: Tensor, h: Tensor, c: Tensor, n: Tensor, m: Tensor, fresh: str,
                clamp_gates: bool, clamp_n: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Wx [B, 4, NH, D], states [B, NH, D] -> (h', c', n', m') in the compute dtype."""
+    _validate_step(Wx, R, b, (h, c, n, m), fresh)
     return run_step(Wx, R, b, h, c, n, m, fresh, clamp_gates, clamp_n)
 
 
 @slstm_step.register_fake
 def _step_fake(Wx, R, b, h, c, n, m, fresh, clamp_gates, clamp_n):
+    _validate_step(Wx, R, b, (h, c, n, m), fresh)
     return tuple(h.new_empty(h.shape, dtype=compute_dtype(Wx)) for _ in range(4))
 
 

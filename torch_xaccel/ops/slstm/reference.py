@@ -33,6 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import checks
+from ..checks import ANY
+
 FRESH_RULES = ("element", "batch")
 
 
@@ -40,17 +43,17 @@ def compute_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def check(Wx: Tensor, R: Tensor, b: Tensor, fresh: str) -> None:
-    """Shapes and variant, with an error that names what is wrong (the op's contract)."""
+def check(Wx: Tensor, R: Tensor, b: Tensor, fresh: str, op: str = "slstm") -> None:
+    """Shapes, dtypes and variant, with an error that names what is wrong (the op's contract):
+    Wx [B, T, 4, NH, D] (a step's [B, 4, NH, D]), R [NH, 4, D, D], b [4, NH, D], all floating."""
     if fresh not in FRESH_RULES:
-        raise ValueError(f"xaccel::slstm: fresh must be one of {FRESH_RULES}, got {fresh!r}")
-    if Wx.dim() != 5 or Wx.shape[2] != 4:
-        raise ValueError(f"xaccel::slstm: Wx must be [B, T, 4, NH, D], got {list(Wx.shape)}")
-    _, _, _, NH, D = Wx.shape
-    if tuple(R.shape) != (NH, 4, D, D):
-        raise ValueError(f"xaccel::slstm: R must be [NH, 4, D, D] = {[NH, 4, D, D]}, got {list(R.shape)}")
-    if tuple(b.shape) != (4, NH, D):
-        raise ValueError(f"xaccel::slstm: b must be [4, NH, D] = {[4, NH, D]}, got {list(b.shape)}")
+        checks.fail(op, f"fresh must be one of {FRESH_RULES}, got {fresh!r}")
+    layout, lead = ("[B, 4, NH, D]", 1) if op == "slstm_step" else ("[B, T, 4, NH, D]", 2)
+    checks.expect_shape(op, "Wx", Wx, layout, (ANY,) * lead + (4, ANY, ANY))
+    NH, D = Wx.shape[-2:]
+    checks.expect_shape(op, "R", R, "[NH, 4, D, D]", (NH, 4, D, D))
+    checks.expect_shape(op, "b", b, "[4, NH, D]", (4, NH, D))
+    checks.expect_floats(op, dict(Wx=Wx, R=R, b=b))
 
 
 def zero_state(Wx: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -98,5 +101,6 @@ def forward(Wx: Tensor, R: Tensor, b: Tensor, h0: Tensor | None, c0: Tensor | No
         h, c, n, m = step(Wx[:, t], R, b, h, c, n, m, fresh, clamp_gates, clamp_n)
         outs.append(h.to(Wx.dtype))
     B, T, _, NH, D = Wx.shape
-    y = torch.stack(outs, 1) if outs else Wx.new_empty(B, 0, NH, D)
-    return y, h, c, n, m
+    if not outs:  # T == 0: the start state is the final one, as copies (an op never returns its inputs)
+        return Wx.new_empty(B, 0, NH, D), *(s.clone() for s in (h, c, n, m))
+    return torch.stack(outs, 1), h, c, n, m

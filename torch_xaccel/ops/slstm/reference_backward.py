@@ -110,6 +110,6 @@ def backward(gy, ghT, gcT, gnT, gmT, Wx: Tensor, R: Tensor, b: Tensor, h0, c0, n
         gh = torch.einsum("bghj,hgjk->bhk", graw, Rc)
     db = dWx.sum((0, 1))
     grads = [dWx.to(Wx.dtype), dR.to(R.dtype), db.to(b.dtype)]
-    if has_state:
-        grads += [g.to(s.dtype) for g, s in zip((gh, gc, gn, gm), (h0, c0, n0, m0))]
+    if has_state:  # (copies where T == 0: the final state's gradients would be returned as they came)
+        grads += [g.to(s.dtype, copy=T == 0) for g, s in zip((gh, gc, gn, gm), (h0, c0, n0, m0))]
     return grads
