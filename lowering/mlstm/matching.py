@@ -4,13 +4,13 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ..proof import NoMatch  # the shared one; the family's walks import it from here
+
+aten = torch.ops.aten
+
 DYNAMIC_EPS = ("eps is a dynamic Python float (torch.compile makes float arguments graph inputs under "
                "dynamic shapes); pass it as a constant (a module attribute, functools.partial) or set "
                "torch._dynamo.config.specialize_float = True")
-
-
-class NoMatch(Exception):
-    """A step of the pattern did not hold; the message says which."""
 
 
 class DynamicEps(NoMatch):
@@ -32,9 +32,22 @@ def expect(node, *targets, what: str):
     return node
 
 
+FULL_END = 9223372036854775807  # the end of a slice written without one (x[1:])
+
+
+def skip_full_slices(node, take=lambda n: n):
+    """The tensor under x[..., :] style no-op slices that indexing leaves in the graph (each
+    passed to `take`)."""
+    while (is_op(node, aten.slice.Tensor) and len(node.args) <= 4
+           and tuple(node.args[2:4]) in ((0, FULL_END), (None, None))):
+        take(node)
+        node = node.args[0]
+    return node
+
+
 def example_int(size) -> int | None:
-    """The size's value in this compile: a constant in the user's code (a scale 1/sqrt(8)) can only be
-    in the graph if Dynamo specialised that size, so comparing against its example value is sound."""
+    """The size's value in this compile's example inputs (a symbolic size's hint, without a guard):
+    what a proof runs at, never what a literal in the user's code may be compared with."""
     if isinstance(size, int):
         return size
     hint = getattr(getattr(size, "node", None), "hint", None)

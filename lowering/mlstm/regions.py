@@ -26,7 +26,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graph_utils import alias_base, val
+from ..graph_utils import alias_base, reported_with_region, val
 from .matching import is_op
 
 aten = torch.ops.aten
@@ -40,10 +40,15 @@ class Region:
     size_inputs: set = field(default_factory=set)    # inputs read only for their sizes
 
 
+# in-place by schema, but they change no value (torch.tensor(c) in user code traces as
+# lift_fresh_copy then detach_)
+_VALUE_PRESERVING = (aten.detach_.default,)
+
+
 def writes(node) -> list:
     """The arguments a node writes in place."""
     schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None or not schema.is_mutable:
+    if node.op != "call_function" or schema is None or not schema.is_mutable or node.target in _VALUE_PRESERVING:
         return []
     out = []
     for k, arg_schema in enumerate(schema.arguments):
@@ -72,7 +77,7 @@ def sizey(node) -> bool:
     return node.op == "call_function" and (node.target in _SIZES or not _tensors(val(node)))
 
 
-class _Constants:
+class Constants:
     """Whether a node's value depends on no graph input except through sizes (memoised)."""
 
     def __init__(self):
@@ -82,8 +87,8 @@ class _Constants:
         if node in self.memo:
             return self.memo[node]
         self.memo[node] = False  # cycles cannot occur; this only stops re-entry
-        ok = isinstance(val(node), torch.SymInt) or node.op == "call_function" and not writes(node) and (
-            node.target in _SIZES or all(self(a) for a in node.all_input_nodes))
+        ok = isinstance(val(node), torch.SymInt) or node.op == "get_attr" or node.op == "call_function" and (
+            not writes(node) and (node.target in _SIZES or all(self(a) for a in node.all_input_nodes)))
         self.memo[node] = ok
         return ok
 
@@ -94,7 +99,7 @@ def grow(graph: torch.fx.Graph, seed: torch.fx.Node) -> Region | None:
     if not isinstance(t, torch.Tensor) or t.dim() < 2:
         return None
     lead = (t.shape[0], t.shape[1])
-    constant = _Constants()
+    constant = Constants()
     held_out: set = set()  # bases of constants the rest of the graph also reads (step 3)
     region = {seed}
     todo = [seed]
@@ -153,6 +158,8 @@ def _absorb(graph, region: set, lead, constant, held_out: set) -> None:
 
 
 def _absorbable(a, lead, constant) -> bool:
+    if a.op == "get_attr":  # a tensor constant of the user's code (torch.tensor(-inf))
+        return True
     if a.op != "call_function" or writes(a):
         return False
     if sizey(a) or constant(a):
@@ -209,5 +216,6 @@ def _release_shared_constants(region: set, constant, held_out: set) -> bool:
 
 
 def seeds(graph: torch.fx.Graph) -> list:
-    """What makes code look like an mLSTM: a log-sigmoid (of a forget gate)."""
-    return [n for n in graph.nodes if is_op(n, aten.log_sigmoid.default)]
+    """What makes code look like an mLSTM: a log-sigmoid (of a forget gate) that no earlier pass
+    has already reported as part of its own refused region (an sLSTM look-alike)."""
+    return [n for n in graph.nodes if is_op(n, aten.log_sigmoid.default) and not reported_with_region(n)]

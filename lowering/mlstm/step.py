@@ -29,7 +29,7 @@ from torch_xaccel.report import Fallback, GraphReport, Replacement
 
 from .. import CONSTANT_FLOATS, PassContext
 from ..graph_utils import location, val
-from .matching import DynamicEps, NoMatch, example_int, expect, is_op
+from .matching import DynamicEps, NoMatch, expect, is_op
 
 FAMILY = "mlstm_step"
 aten = torch.ops.aten
@@ -112,9 +112,9 @@ def match(h: torch.fx.Node):
     expect(qs, aten.mul.Tensor, what="q * DQK**-0.5")
     take(qs)
     q, scale = (qs.args[0], qs.args[1]) if isinstance(qs.args[0], torch.fx.Node) else (qs.args[1], qs.args[0])
-    dk = example_int(val(q).shape[-1])
-    if not isinstance(scale, numbers.Number) or dk is None or abs(scale - dk ** -0.5) > 1e-6 * dk ** -0.5:
-        raise NoMatch("q is not scaled by 1/sqrt(DQK)")
+    dk = val(q).shape[-1]  # a literal scale against a symbolic head dim would hold at one size only
+    if not isinstance(scale, numbers.Number) or not isinstance(dk, int) or abs(scale - dk ** -0.5) > 1e-6 * dk ** -0.5:
+        raise NoMatch("q is not scaled by 1/sqrt(DQK) of a static head dim")
     # m' = max(logsigmoid(f) + m, i)
     expect(m_new, *_MAX, what="m' = max(logf + m, i)")
     take(m_new)
@@ -215,7 +215,10 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         for n in list(region):
             if is_op(n, *_CASTS) and n.args[0] in ins.values() and val(n).dtype == val(n.args[0]).dtype:
                 n.replace_all_uses_with(n.args[0], delete_user_cb=lambda u: u not in region)
-        escaped = [n.name for n in region if n not in outs.values() and any(u not in region for u in n.users)]
+        # a value of the inputs alone (logsigmoid(f), shared by steps that read one f) stays for its
+        # other readers; anything later in the step may not leave it
+        escaped = [n.name for n in region if n not in outs.values() and any(u not in region for u in n.users)
+                   and not all(a in ins.values() for a in n.all_input_nodes)]
         shapes_ok = all(isinstance(val(t), torch.Tensor) for t in ins.values()) and val(ins["q"]).dim() == 3
         if escaped or not shapes_ok:
             why = f"intermediates used elsewhere: {', '.join(escaped[:3])}" if escaped else "unexpected ranks"
@@ -356,8 +359,8 @@ def fuse_step_loops(gm: torch.fx.GraphModule, report: GraphReport) -> set:
         if any(getattr(getattr(u.target, "_schema", None), "is_mutable", False) for u in h_users):
             continue  # each h_t would become a view of one sequence output: no in-place writes to them
         eps, scale_q = chain[0].args[8], chain[0].args[9]
-        L, dk = len(chain), example_int(val(tensors[0]).shape[-1])
-        if dk is None:
+        L, dk = len(chain), val(tensors[0]).shape[-1]
+        if not isinstance(dk, int):  # the state conversion below bakes sqrt(DQK) in as a number
             continue
         first, last = chain[0], chain[-1]
         to_ours, to_theirs = (dk ** -0.5, dk ** 0.5) if scale_q else (1.0, 1.0)

@@ -162,9 +162,11 @@ def test_xlstm_block_stack_mlstm_without_a_kernel_is_left_as_written_with_the_re
     """Where no kernel would run the layer (on a GPU: a head dim the kernels lack), the library's
     parallel_stabilized_simple runs as written (the op's chunkwise reference would be slower than
     it), and explain() says why. Simulated on CPU by a trace-time check that declines."""
-    from torch_xaccel.lowering.mlstm import substitutions
+    from torch_xaccel.lowering.mlstm import parallel, substitutions
 
     monkeypatch.setattr(substitutions, "_kernel_refusal", lambda device, q, k, v, DK, DV: f"no kernel for {DK}/{DV}")
+    # the library's code, run as written, is the parallel form the structural walk knows: no kernel there either
+    monkeypatch.setattr(parallel, "kernel_refusal", lambda q, k, v: f"no kernel for {q.shape[-1]}/{v.shape[-1]}")
     want, got, report = _compiled_and_explained(_block_stack().eval(), torch.randn(2, 48, 64))
     assert rel_err(got, want) <= 1e-6
     assert report.counts()["mlstm"] == 0
