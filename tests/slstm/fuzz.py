@@ -3,8 +3,9 @@ differential check against eager (tests/slstm/test_fuzz.py runs it).
 
 Each case is a Python function written out as source (a failing case prints it). It varies what
 the sLSTM lowering must see through: the recurrence (per-head einsum in two R layouts, per-head
-matmuls, one broadcast matmul, bmm, a dense block-diagonal R built with torch.block_diag, a dense
-R of one head), the gates' storage (flat gate-major, flat gate-minor, [B, 4, NH, D]) and how they
+matmuls, one broadcast matmul, bmm, bmm of h tiled over the gates (repeat or expand) with R stored
+as one [4, NH, D, D] tensor, a dense block-diagonal R built with torch.block_diag, a dense R of one
+head), the gates' storage (flat gate-major, flat gate-minor, [B, 4, NH, D]) and how they
 are split (chunk, unbind, split, indexing) in a random gate order, the states' layout ([B, NH, D],
 [B, NH*D] head-major or unit-major), Wx batch- or time-major, given or projected before or inside
 the loop, sliced by index, select or unbind, the bias added inside or outside the loop (or none),
@@ -12,7 +13,10 @@ outputs collected in a list (stack, cat), a preallocated buffer or only the last
 returned or not, zero, given or mixed initial states, states cast every step; and the math: the
 fresh rule per element (torch.where(n == 0, ...)), per batch (torch.all(n == 0)) or none,
 clamped gates (torch.minimum or clamp(max=1)), n clamped (torch.maximum(n, 1), the op's form, or
-clamp(min=1)), commutative arguments in either order; random B, T (1 and odd included), NH, D;
+clamp(min=1)), commutative arguments in either order, the stabilizer logsigmoid(f) + m named once
+or written out wherever it is used (the textbook step), a first step written apart from a zero
+start (`if t == 0:` skipping the recurrent product, setting m = i, or writing the fresh step out
+with no state); random B, T (1 and odd included), NH, D;
 grad or no_grad; static or dynamic shapes, or only the batch dims marked dynamic (then the compiled
 function also runs at a second batch size).
 
@@ -28,6 +32,9 @@ A case is one of:
 - "reparam": a gate's pre-activation scaled or negated (2 f, -z): the same family of functions
   with other weights. The lowering may take it or not (the op's R, Wx, b are views: it refuses);
   a layout measured wrong would show as a mismatch.
+- "exp-forget": an sLSTM with an exponential forget gate (exp(f + m - m'), m' = max(i, f + m)),
+  which the op cannot express: nothing is replaced, and one report line names the construct
+  (EXP_FORGET) or gives a reason predicted before it (dynamic shapes, TIE, NOT_A_VIEW).
 Every case must equal eager (fp32, forward and every input's gradient, 1e-5 relative)."""
 from __future__ import annotations
 
@@ -58,8 +65,9 @@ REPARAMS = {
     "z_negated": ("torch.tanh(g_z)", "torch.tanh(-g_z)"),
     "o_halved": ("torch.sigmoid(g_o)", "torch.sigmoid(0.5 * g_o)"),
 }
-# the lowering's reasons for what it refuses by design (lowering/slstm/cell.py, loops.py, step.py)
+# the lowering's reasons for what it refuses by design (lowering/slstm/variants.py, loops.py, step.py)
 TIE = "n' = clamp(n', min=1)"
+EXP_FORGET = "exponential forget gate: the op takes a sigmoid forget gate"
 NO_RULE_CLAMP = "no fresh rule and n clamped at 1"
 NO_RULE_READ = "no fresh rule: its h equals"
 DYNAMIC = "dynamic shapes"  # only where sizes stay symbolic: Dynamo specializes some (1, a loop's T, equal sizes)
@@ -74,7 +82,7 @@ class Case:
     seed: int
     source: str
     inputs: list  # (name, shape, kind, scale): kind and scale say how make_inputs draws it
-    kind: str  # "slstm", "look-alike" or "reparam"
+    kind: str  # "slstm", "look-alike", "reparam" or "exp-forget"
     T: int
     mode: str  # "grad" (every input requires grad) or "no_grad"
     dynamic: bool | None | str  # torch.compile's dynamic=, or "batch": the batch dims marked dynamic
@@ -145,28 +153,48 @@ def generate(seed: int) -> Case:
         h_form=_pick(rng, "o*c/n", "o*(c/n)", "c/n*o"),
         split=_pick(rng, "a", "b", "c", "d"),
     )
-    kind = "look-alike" if seed % 4 == 3 else "reparam" if seed % 20 == 10 else "slstm"
-    slip = rng.choice(list(LOOK_ALIKES if kind == "look-alike" else REPARAMS)) if kind != "slstm" else None
+    kind = "look-alike" if seed % 4 == 3 else "reparam" if seed % 20 == 10 else "exp-forget" if seed % 20 == 6 \
+        else "slstm"
+    slip = rng.choice(list(LOOK_ALIKES if kind == "look-alike" else REPARAMS)) \
+        if kind in ("look-alike", "reparam") else None
     s["slip"] = slip
     mode = "grad" if rng.random() < 0.85 else "no_grad"
     dynamic = _pick(rng, False, None, True, weights=[10, 3, 1])
     if seed % 5 == 2 and B >= 2:  # from the seed, not the rng: the other draws stay as they were
         dynamic = "batch"
+    # drawn last, so that the styles above stay what they were for every seed
+    s["textbook"] = rng.random() < 0.3
+    if s["rec"] in ("bmm", "einsum_hgjk") and rng.random() < 0.5:
+        s["rec"] = _pick(rng, "bmm4_repeat", "bmm4_expand")
+    zero_start = s["init"] in ("zeros", "one_zeros")
+    s["first"] = _pick(rng, None, "zero", "m_from_i", "no_state", weights=[2, 1, 1, 1]) \
+        if zero_start and T >= 3 and kind != "look-alike" else None
+    s["forget"] = "exp" if kind == "exp-forget" else "sigmoid"
+    if kind == "exp-forget" and zero_start:
+        T = max(T, 2)  # one step from zero states: its forget gate multiplies zeros, and the op is exact
     if s["init"] != "given":
         del s["n0"]
     source, inputs = _source(s, B, T, NH, D, H, I)
-    refusal = []
-    if kind == "slstm":
-        n_given = s["init"] == "given"
-        if s["clamp_n"] == "clamp" and n_given and mode == "grad":
-            refusal.append(TIE)
-        if s["rule"] == "none" and s["clamp_n"]:
+    return Case(seed, source, inputs, kind, T, mode, dynamic, _refusals(s, kind, mode, NH, D), s)
+
+
+def _refusals(s, kind, mode, NH, D) -> list:
+    """The reasons the lowering gives, by design, for not replacing the case (any one of them)."""
+    if kind not in ("slstm", "exp-forget"):
+        return []
+    refusal = [EXP_FORGET] if kind == "exp-forget" else []
+    if s["clamp_n"] == "clamp" and s["init"] == "given" and mode == "grad":
+        refusal.append(TIE)
+    # a first step that is the op's fresh step makes code without a fresh rule the op's (n >= 1 after it)
+    fresh_first = s["first"] in ("m_from_i", "no_state") or (s["first"] == "zero" and s["rule"] != "none")
+    if kind == "slstm" and s["rule"] == "none" and not fresh_first:
+        if s["clamp_n"]:
             refusal.append(NO_RULE_CLAMP)
-        if s["rule"] == "none" and s["finals"]:
+        if s["finals"]:
             refusal.append(NO_RULE_READ)
-        if s["rec"] in ("dense", "blockdiag") and s["layout"] == "unit_major" and NH > 1 and D > 1:
-            refusal.append(NOT_A_VIEW)
-    return Case(seed, source, inputs, kind, T, mode, dynamic, refusal, s)
+    if s["rec"] in ("dense", "blockdiag") and s["layout"] == "unit_major" and NH > 1 and D > 1:
+        refusal.append(NOT_A_VIEW)
+    return refusal
 
 
 def _source(s, B, T, NH, D, H, I):  # noqa: E741
@@ -192,7 +220,7 @@ def _source(s, B, T, NH, D, H, I):  # noqa: E741
     # --- recurrent weights
     rshape = {"einsum_hgjk": (NH, 4, D, D), "einsum_hkgj": (NH, D, 4, D), "perhead": (NH, D, 4 * D),
               "matmul": (NH, D, 4 * D), "bmm": (NH, D, 4 * D), "blockdiag": (NH, 4, D, D),
-              "dense": (H, 4 * H)}[s["rec"]]
+              "dense": (H, 4 * H), "bmm4_repeat": (4, NH, D, D), "bmm4_expand": (4, NH, D, D)}[s["rec"]]
     inputs.append(("R", rshape, "R", 0.5 * (H if s["rec"] == "dense" else D) ** -0.5))
     if s["bias"] != "none":
         inputs.append(("b", gshape, "b", 0.5))
@@ -247,17 +275,26 @@ def _source(s, B, T, NH, D, H, I):  # noqa: E741
         "perhead": "torch.stack([hh[:, k] @ R[k] for k in range(NH)], 1).view(B, NH, 4, D).transpose(1, 2)",
         "matmul": "torch.matmul(hh.unsqueeze(2), R).view(B, NH, 4, D).transpose(1, 2)",
         "bmm": "torch.bmm(hh.transpose(0, 1), R).view(NH, B, 4, D).permute(1, 2, 0, 3)",
+        # R [4, NH, D_in, D_out]: h tiled over the gates, one bmm over (gate, head)
+        "bmm4_repeat": "torch.bmm(hh.transpose(0, 1).repeat(4, 1, 1), R.view(4 * NH, D, D))"
+                       ".view(4, NH, B, D).permute(2, 0, 1, 3)",
+        "bmm4_expand": "torch.bmm(hh.transpose(0, 1).unsqueeze(0).expand(4, NH, B, D).reshape(4 * NH, B, D), "
+                       "R.reshape(4 * NH, D, D)).view(4, NH, B, D).transpose(0, 2).transpose(1, 2)",
         "blockdiag": f"({hf} @ Rbd).view(B, 4, NH, D)",
         "dense": f"({hf} @ R).view(B, 4, NH, D)",
     }[s["rec"]]
-    if s["rec"] in ("perhead", "matmul", "bmm"):
-        loop.append(f"hh = {hh}")
+    recurrent = [f"hh = {hh}"] if s["rec"] in ("perhead", "matmul", "bmm", "bmm4_repeat", "bmm4_expand") else []
     conv = {"gate_major": ".reshape(B, 4 * H)", "gate_minor": ".permute(0, 2, 3, 1).reshape(B, 4 * H)", "op": ""}
-    loop.append(f"rec = {rec}{conv[store]}")
+    recurrent.append(f"rec = {rec}{conv[store]}")
     terms = ["x_t", "rec"] + (["b"] if s["bias"] == "inside" else [])
     if swap:
         terms.reverse()
-    loop.append("raw = " + " + ".join(terms))
+    recurrent.append("raw = " + " + ".join(terms))
+    if s["first"] in ("zero", "no_state"):  # the first step skips the recurrent product
+        loop += ["if t == 0:", "    raw = " + " + ".join(x for x in terms if x != "rec"), "else:"]
+        loop += ["    " + ln for ln in recurrent]
+    else:
+        loop += recurrent
     # --- the gates, split in storage order, each in the states' layout
     split = s["split"]
     if store == "gate_major":
@@ -303,13 +340,17 @@ def _update(s) -> list:
     lines = []
     if s["cast"]:  # the xlstm package's habit: states in the input dtype each step (a no-op here)
         lines.append("c, n, m = c.to(x_t.dtype), n.to(x_t.dtype), m.to(x_t.dtype)")
-    lines.append("logfm = m + F.logsigmoid(g_f)" if swap else "logfm = F.logsigmoid(g_f) + m")
-    lines.append("mn = torch.maximum(logfm, g_i)" if swap else "mn = torch.max(g_i, logfm)")
+    forget = "g_f" if s["forget"] == "exp" else "F.logsigmoid(g_f)"
+    lines.append(f"logfm = m + {forget}" if swap else f"logfm = {forget} + m")
+    stabilizer = ["mn = torch.maximum(logfm, g_i)" if swap else "mn = torch.max(g_i, logfm)"]
     if s["rule"] == "element":
-        lines.append("mn = torch.where(n == 0, g_i, mn)")
+        stabilizer.append("mn = torch.where(n == 0, g_i, mn)")
     elif s["rule"] == "batch":
-        lines.append("mn = torch.where(torch.all(n == 0), g_i, mn)" if not swap else
-                     "mn = torch.where((n == 0).all(), g_i, mn)")
+        stabilizer.append("mn = torch.where(torch.all(n == 0), g_i, mn)" if not swap else
+                          "mn = torch.where((n == 0).all(), g_i, mn)")
+    if s["first"] == "m_from_i":  # the first step's stabilizer from i alone
+        stabilizer = ["if t == 0:", "    mn = g_i", "else:", *("    " + ln for ln in stabilizer)]
+    lines += stabilizer
     lines.append("ig = torch.exp(g_i - mn)")
     lines.append("fg = torch.exp(logfm - mn)")
     if s["clamp_gates"] == "minimum":
@@ -337,7 +378,19 @@ def _update(s) -> list:
         hit = [k for k, ln in enumerate(lines) if old in ln]
         assert hit, (slip, lines)
         lines[hit[0]] = lines[hit[0]].replace(old, new, 1)
+    if s["textbook"]:
+        lines = _inline_logfm(lines)
+    if s["first"] == "no_state":  # the first step writes the fresh step out, from no state
+        lines = ["if t == 0:", "    c, n, m = torch.tanh(g_z), torch.ones_like(g_i), g_i",
+                 "    h = torch.sigmoid(g_o) * c / n", "else:", *("    " + ln for ln in lines)]
     return lines
+
+
+def _inline_logfm(lines) -> list:
+    """The textbook step: the stabilizer F + m written out wherever logfm is used."""
+    k = next(k for k, ln in enumerate(lines) if ln.startswith("logfm = "))
+    expr = lines[k][len("logfm = "):]
+    return [ln.replace("logfm", expr) for j, ln in enumerate(lines) if j != k]
 
 
 # ---- the check --------------------------------------------------------------------------------------
@@ -451,7 +504,9 @@ def check(case: Case) -> str | None:
     case.outcome = (counts["slstm"], counts["slstm_step"], reasons)
     if case.kind == "look-alike" and replaced:
         return f"a look-alike ({case.style['slip']}) was replaced\n{report}"
-    if case.kind != "slstm":
+    if case.kind == "exp-forget" and len(reasons) != 1:
+        return f"an exponential forget gate gets {len(reasons)} report lines, not one: {reasons}"
+    if case.kind not in ("slstm", "exp-forget"):
         return None
     expected = case.refusal + ([DYNAMIC] if case.dynamic else [])
     if case.refusal or (case.dynamic and not replaced):

@@ -1,6 +1,6 @@
 """Hand-written sLSTM code: a Python loop over time steps (unrolled by Dynamo) becomes one
 xaccel.slstm (lowering/slstm/loops.py), a lone step one xaccel.slstm_step (step.py), each proven
-numerically before it is replaced (cell.py). Compiled results and gradients equal eager within
+numerically before it is replaced (variants.py). Compiled results and gradients equal eager within
 1e-5 relative (fp32); look-alikes and what the op cannot express are left as written, with the
 reason in the report."""
 import functools
@@ -11,27 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import check_compiled
-from torch_xaccel import lowering
-from torch_xaccel.lowering.slstm import cell, loops
-from torch_xaccel.ops.slstm import reference
+from torch_xaccel.lowering import proof
+from torch_xaccel.lowering.slstm import loops, variants
+from torch_xaccel.lowering.slstm.plans import StateMap
 from torch_xaccel.report import Report, collect
 
 aten = torch.ops.aten
 SLSTM = torch.ops.xaccel.slstm.default
 STEP = torch.ops.xaccel.slstm_step.default
-
-
-@pytest.fixture
-def lowered(monkeypatch):
-    """The ATen graphs after the passes (the backend imports run_passes when it compiles)."""
-    graphs = []
-    real = lowering.run_passes
-
-    def keep(gm, ctx):
-        graphs.append(real(gm, ctx))
-        return graphs[-1]
-    monkeypatch.setattr(lowering, "run_passes", keep)
-    return graphs
 
 
 def _count(graphs, *targets) -> int:
@@ -252,7 +239,7 @@ def test_look_alike_with_sigmoid_cell_input_is_refused_once_with_the_error():
     report = check_compiled(fn, _op_inputs(torch.Generator().manual_seed(6)), tol=1e-5)
     assert report.counts()["slstm"] == 0 and report.counts()["slstm_step"] == 0, str(report)
     reasons = _slstm_fallbacks(report)
-    assert len(reasons) == 1 and "step 1 differs from every sLSTM variant (max rel err" in reasons[0], reasons
+    assert len(reasons) == 1 and "step 1 differs from every sLSTM variant (the closest" in reasons[0], reasons
     assert "test_lowering.py" in reasons[0]
 
 
@@ -412,23 +399,22 @@ def test_graph_without_an_slstm_skips_the_search(monkeypatch):
 
 
 def test_proof_regimes_tell_every_variant_apart():
-    """The proof's three regimes of old states make every pair of candidate variants (and code
-    without a fresh rule) differ by far more than the tolerance, so the agreeing one is unique."""
+    """The proof's three regimes of old states make every pair of hypotheses (the op's variants,
+    code without a fresh rule, an exponential forget gate) differ by far more than the accuracy
+    the proof asks for, so the agreeing one is unique."""
     gen = torch.Generator().manual_seed(11)
     B, NH, D = 3, 2, 8
-    state = cell.StateMap((B, NH, D), B, NH, D, [0, 1, 2])
+    state = StateMap((B, NH, D), B, NH, D, [0, 1, 2])
+    hyps = variants.VARIANTS + variants.EXP_VARIANTS
     worst = {}
-    for h, c, n, m in cell._regimes(state.op_shape, torch.float32, gen, zero_states=False):
+    for h, c, n, m in variants.regimes(state.op_shape, torch.float32, gen, zero_states=False):
         Wx, R, b = torch.randn(B, 4, NH, D, generator=gen), torch.randn(NH, 4, D, D, generator=gen) / D ** 0.5, \
             torch.randn(4, NH, D, generator=gen)
-        outs = {}
-        for fresh, cg, cn in cell.VARIANTS:
-            outs[(fresh, cg, cn)] = (cell.no_rule_step(Wx, R, b, h, c, n, m, cn) if fresh == cell.NO_RULE
-                                     else reference.step(Wx, R, b, h, c, n, m, fresh, cg, cn))
-        for u, v in itertools.combinations(cell.VARIANTS, 2):
-            err = max(cell._rel(a, b_) for a, b_ in zip(outs[u], outs[v]))
+        outs = {v: variants.step_of(v)(Wx, R, b, h, c, n, m) for v in hyps}
+        for u, v in itertools.combinations(hyps, 2):
+            err = max(proof.rel_error(a, b_) for a, b_ in zip(outs[u], outs[v]))
             worst[(u, v)] = max(worst.get((u, v), 0.0), err)
-    close = {k: e for k, e in worst.items() if e < 1e3 * cell.TOL}
+    close = {k: e for k, e in worst.items() if e < 1e3 * proof.FACTOR * proof.ROUNDED_FLOOR}
     assert not close, close
 
 
