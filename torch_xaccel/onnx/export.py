@@ -4,12 +4,14 @@ torch.export -> the same pattern passes as torch.compile(backend="xaccel") on th
 graph (so the same matches, refusals and report) -> each xaccel op as one `xaccel`-domain node
 (symbolic.py) -> torch.onnx's exporter -> a FunctionProto per node form (functions.py), so that a
 stock onnxruntime runs the model with no plugin. Families whose ops have no ONNX body yet are left
-out of the passes: their code exports as standard ONNX, and the report says so."""
+out of the passes, and so is a family whose pass fixes a dim the caller declared dynamic: their
+code exports as standard ONNX, and the report says so."""
 from __future__ import annotations
 
 import dataclasses
 import os
 import re
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -136,6 +138,97 @@ def _lower(ep, cfg, report) -> None:
     _resync_outputs(ep)
 
 
+@dataclass(frozen=True)
+class _FixedDim:
+    """A dim the caller declared dynamic that a pass fixed to a number (a guard on its size, such
+    as int() of it): every value and body downstream would then hold that number."""
+    input: str
+    axis: int
+    value: int
+    where: str  # the line whose guard fixed it ("lowering/mlstm/provenance.py:234"), "" if unknown
+    family: str | None  # the family of that line's pass, None if not a family's
+
+    def reason(self) -> str:
+        by = f"the {self.family} pass" if self.family else "a pass"
+        left_out = f"the {self.family} patterns" if self.family else "the passes"
+        return (f"dim {self.axis} of input {self.input}, declared dynamic, would be fixed to {self.value} by {by}"
+                f"{' (' + self.where + ')' if self.where else ''}: exported without {left_out} (that code as "
+                "standard ONNX), so the file keeps the dim symbolic")
+
+
+def _input_symbols(ep) -> dict:
+    """symbol -> (input name, axis, ShapeEnv) of the symbols in the program's user inputs' dims
+    (a derived dim such as `16 * Dim("s")` holds one)."""
+    user = set(ep.graph_signature.user_inputs)
+    found: dict = {}
+    for node in ep.graph_module.graph.nodes:
+        val = node.meta.get("val")
+        if node.op != "placeholder" or node.name not in user or not isinstance(val, torch.Tensor):
+            continue
+        for axis, size in enumerate(val.shape):
+            for symbol in size.node.expr.free_symbols if isinstance(size, torch.SymInt) else ():
+                found.setdefault(symbol, (node.name, axis, size.node.shape_env))
+    return found
+
+
+def _guard_site(env, symbol) -> tuple[str, str | None]:
+    """(the line that fixed `symbol`, its family) from the ShapeEnv's record of the replacement."""
+    import torch_xaccel.lowering as lowering
+
+    frame = getattr(getattr(env, "replacements_slocs", {}).get(symbol), "framework_loc", None)
+    if not hasattr(frame, "filename"):
+        return "", None
+    rel = os.path.relpath(os.path.abspath(frame.filename), os.path.dirname(os.path.abspath(lowering.__file__)))
+    if rel.startswith(".."):
+        return f"{os.path.basename(frame.filename)}:{frame.lineno}", None
+    folder = rel.split(os.sep)[0]
+    return f"lowering/{rel}:{frame.lineno}", folder if folder in {f.name for f in families.FAMILIES} else None
+
+
+def _fixed_dims(symbols: dict) -> list[_FixedDim]:
+    """The dims of `symbols` (_input_symbols before the passes) that are numbers now."""
+    fixed = []
+    for symbol, (name, axis, env) in symbols.items():
+        value = env.replace(symbol)
+        if value.is_number:
+            fixed.append(_FixedDim(name, axis, int(value), *_guard_site(env, symbol)))
+    return fixed
+
+
+def _without_families_of(cfg, fixed: list[_FixedDim]):
+    """cfg without the patterns of the families whose passes fixed a dim (all of them where one
+    is unknown, or where that would leave the patterns as they are)."""
+    names = {d.family for d in fixed}
+    drop = {p for f in families.FAMILIES if f.name in names for p in f.patterns}
+    kept = cfg.patterns - drop if None not in names else frozenset()
+    return dataclasses.replace(cfg, patterns=frozenset(kept if kept != cfg.patterns else ()))
+
+
+def _lowered(ep, cfg, report, trace):
+    """The program after the passes; `trace()` traces the model anew. A pass that raises: the
+    model exported as written, as a compile would run it. A pass that fixes a dim the caller
+    declared dynamic: the model traced and lowered again without that pass's family, so the file
+    keeps the dim; the report says which dim, to what and where."""
+    first = len(report.fallbacks)
+    while True:
+        symbols = _input_symbols(ep)
+        try:
+            _lower(ep, cfg, report)
+        except Exception as e:  # noqa: BLE001 - as in a compile: the model as written, and the reason
+            report.replacements.clear()
+            report.fallbacks.append(Fallback("backend", f"{type(e).__name__}: {e}; exported the model as written"))
+            return trace()
+        fixed = _fixed_dims(symbols)
+        if not fixed:
+            return ep
+        cfg = _without_families_of(cfg, fixed)
+        report.replacements.clear()
+        del report.fallbacks[first:]
+        report.fallbacks.extend(Fallback(d.family or "backend", d.reason()) for d in fixed)
+        report.patterns, first = tuple(sorted(cfg.patterns)), len(report.fallbacks)
+        ep = trace()
+
+
 MIN_OPSET = 18  # torch.onnx's dynamo exporter has no implementations below it (it would convert down, op by op)
 
 
@@ -164,14 +257,9 @@ def export(model, args, f=None, *, kwargs=None, dynamic_shapes=None, opset_versi
         graph_report.fallbacks.append(Fallback(families.family_of(pattern).name, f"pattern {pattern}: its ops have no "
                                                "ONNX body yet; its code exports as standard ONNX"))
     ep = _exported(model, tuple(args), kwargs, dynamic_shapes, strict, graph_report)
-    if not cfg.disable:
-        try:
-            _lower(ep, cfg, graph_report)
-        except Exception as e:  # noqa: BLE001 - as in a compile: the model as written, and the reason
-            graph_report.replacements.clear()
-            graph_report.fallbacks.append(Fallback("backend", f"{type(e).__name__}: {e}; exported the model as "
-                                                              "written"))
-            ep = _exported(model, tuple(args), kwargs, dynamic_shapes, strict, graph_report)
+    if not cfg.disable:  # a second trace repeats the first one's notes, which the report holds already
+        ep = _lowered(ep, cfg, graph_report, lambda: _exported(model, tuple(args), kwargs, dynamic_shapes, strict,
+                                                               types.SimpleNamespace(fallbacks=[])))
     _check_translatable(ep)
     ep = ep.run_decompositions({op: symbolic.decomposition(op) for op in bodies.translatable_ops()})
     with bodies.quiet_exporter():

@@ -53,13 +53,12 @@ def dims(t: onnx.TypeProto.Tensor) -> tuple | None:
 
 
 def _value_types(model: onnx.ModelProto) -> dict[str, tuple[int, tuple | None]]:
-    """value name -> (ONNX element type, dims: ints or symbol names; None when any is unknown)."""
+    """value name -> (ONNX element type, dims: ints, symbol names, None for an unknown dim; None
+    when the rank is unknown)."""
     types = {}
     for v in (*model.graph.input, *model.graph.value_info, *model.graph.output):
         if v.type.HasField("tensor_type"):
-            t = v.type.tensor_type
-            known = dims(t)
-            types[v.name] = (t.elem_type, None if known is None or None in known else known)
+            types[v.name] = (v.type.tensor_type.elem_type, dims(v.type.tensor_type))
     for t in model.graph.initializer:
         types[t.name] = (t.data_type, tuple(t.dims))
     return types
@@ -111,7 +110,7 @@ def attach(model: onnx.ModelProto) -> dict[str, int]:
         node.overload = call.key
         if call.key in made:
             continue
-        fn = build[node.op_type](call)
+        fn = _body(build[node.op_type], call)
         fn.name, fn.domain, fn.overload = node.op_type, DOMAIN, call.key
         del fn.opset_import[:]
         fn.opset_import.extend(helper.make_opsetid(o.domain, o.version) for o in model.opset_import
@@ -119,6 +118,16 @@ def attach(model: onnx.ModelProto) -> dict[str, int]:
         model.functions.append(fn)
         made[call.key] = node.op_type
     return counts
+
+
+def _body(builder, call: Call) -> onnx.FunctionProto:
+    """builder(call), its ValueErrors led by the op's name."""
+    try:
+        return builder(call)
+    except ValueError as e:
+        if str(e).startswith(f"xaccel::{call.op}"):
+            raise
+        raise ValueError(f"xaccel::{call.op}: {e}") from e
 
 
 def renamed_graph(graph: onnx.GraphProto, prefix: str, outer: dict[str, str]) -> onnx.GraphProto:
@@ -173,7 +182,27 @@ def reference_graph(module, example: tuple, dynamic_shapes, opset: int) -> onnx.
     with quiet_exporter():
         program = torch.onnx.export(module, example, dynamo=True, dynamic_shapes=dynamic_shapes, opset_version=opset,
                                     verbose=False)
-    return program.model_proto.graph
+    graph = program.model_proto.graph
+    _check_dims_kept(graph, example, dynamic_shapes, module)
+    return graph
+
+
+def _check_dims_kept(graph: onnx.GraphProto, example: tuple, dynamic_shapes, module) -> None:
+    """A reference whose code fixes a dim given as dynamic (torch.onnx then writes the input with
+    that number, and every size after it): a ValueError saying which, never a body that runs
+    only at the example's size."""
+    import torch
+
+    specs = torch.utils._pytree.tree_leaves(dynamic_shapes, is_leaf=lambda x: x is None or isinstance(x, dict))
+    tensors = torch.utils._pytree.tree_leaves(example)
+    if not len(graph.input) == len(specs) == len(tensors):  # an input left out: no safe pairing
+        return
+    for k, (value, spec, tensor) in enumerate(zip(graph.input, specs, tensors)):
+        got = dims(value.type.tensor_type) or ()
+        for axis in spec or {}:
+            if axis < len(got) and isinstance(got[axis], int):
+                raise ValueError(f"the reference ({type(module).__name__}) fixes dim {axis} of its input {k} to "
+                                 f"{tensor.shape[axis]}: its ONNX body would run only at that size")
 
 
 TORCH_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.DOUBLE: "float64",
@@ -196,7 +225,8 @@ def elem_type(dtype) -> int | None:
 def examples(call, positions) -> tuple[tuple, tuple]:
     """(example tensors, torch.export dynamic shapes) for the inputs at `positions`, from the
     node's types: every symbolic dim an export Dim (one per symbol name, so that equal sizes stay
-    equal), with distinct example sizes from 2 up (0 and 1 would be specialized)."""
+    equal; an unknown dim its own), with distinct example sizes from 3 up (0 and 1 would be
+    specialized). A 0-d input is a 0-d example."""
     import torch
 
     dims: dict[str, object] = {}
@@ -208,6 +238,8 @@ def examples(call, positions) -> tuple[tuple, tuple]:
             raise ValueError(f"xaccel::{call.op}: input {p} has no known rank or float dtype in the exported graph")
         concrete, dynamic = [], {}
         for axis, d in enumerate(shape):
+            if d is None:  # no name: a symbol of its own
+                d = f"?{p}.{axis}"
             if isinstance(d, str):
                 if d not in dims:
                     dims[d] = torch.export.Dim(f"d{len(dims)}")
@@ -216,7 +248,7 @@ def examples(call, positions) -> tuple[tuple, tuple]:
                 dynamic[axis] = dims[d]
             else:
                 concrete.append(d)
-        tensors.append(torch.randn(*concrete, dtype=torch_dtype(elem)))
+        tensors.append(torch.randn(concrete, dtype=torch_dtype(elem)))  # a list: a 0-d input has no sizes
         shapes.append(dynamic or None)
     return tuple(tensors), tuple(shapes)
 

@@ -7,6 +7,8 @@ within a chunk); the chunks' h joined and trimmed to S. Memory stays linear in S
 reference step itself."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from onnx import TensorProto, helper
 
@@ -42,7 +44,10 @@ class _Step(torch.nn.Module):
         return reference.step(q, k, v, i, f, C, n, m, eps=self.eps, scale_q=self.scale_q)
 
 
+@functools.lru_cache(maxsize=None)
 def _chunk_graph(L: int, elem: int, eps: float, opset: int):
+    """reference.chunk_step as the Scan's body, every size symbolic: one export per variant and
+    process (the costliest of the bodies; callers copy it)."""
     from torch_xaccel.onnx.functions import reference_graph
 
     cd = torch.float64 if elem == TensorProto.DOUBLE else torch.float32
