@@ -11,8 +11,9 @@ in float64 (the truth), on inputs chosen to expose constants:
 - rounded: the op in fp32 is at most FACTOR times further from the truth than the user's fp32 code
   (never worse than what the user wrote, beyond rounding noise).
 Both must hold in every regime the family runs. A family assigns roles to the region's inputs from
-data flow and shapes and proves each assignment it cannot rule out; the candidates are bounded
-(MAX_CANDIDATES), so a region never costs more than a few runs of itself.
+data flow and shapes and proves each reading it cannot rule out; the readings are bounded
+(MAX_CANDIDATES) and counted before any is enumerated, so a region never costs more than a bounded
+number of runs of itself.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch.fx
 FACTOR = 4.0          # the op in fp32 may be this many times further from the truth than the user's fp32 code
 ROUNDED_FLOOR = 1e-6  # ... or this far (relative): a few fp32 roundings, where the user's code is near exact
 EXACT_FLOOR = 1e-10   # float64 rounding: what two spellings of one function differ by in float64
-MAX_CANDIDATES = 256  # role readings a region may need proving: more is refused, never enumerated
+MAX_CANDIDATES = 64   # readings of a region's inputs as the op's roles: more is refused, never enumerated
 
 
 class NoMatch(Exception):

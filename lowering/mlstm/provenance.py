@@ -119,12 +119,12 @@ def _assignments(shapes: dict, forget: set, eps_values: tuple) -> list[Roles]:
                     options = [((C, n, m), "given") for C, n, m in itertools.permutations(others)
                                if shapes[C] == (B, H, DK, DV) and shapes[n] in ((B, H, DK), (B, H, DK, 1))
                                and shapes[m] in ((B, H), (B, H, 1), (B, H, 1, 1))]
-                out += [Roles(target, (q, k, v, i, f), state, start, scale_q, eps)
-                        for state, start in options for scale_q in (False, True) for eps in eps_values]
+                out += [(target, (q, k, v, i, f), state, start) for state, start in options]
                 if len(out) > proof.MAX_CANDIDATES:
                     raise Refused(f"more than {proof.MAX_CANDIDATES} readings of its {len(shapes)} input tensors as "
                                   "q, k, v, i, f: left as written")
-    return out
+    # each reading under both state conventions and every eps: a few runs of the op each
+    return [Roles(*reading, scale_q, eps) for reading in out for scale_q in (False, True) for eps in eps_values]
 
 
 def eps_values(nodes) -> tuple:
