@@ -238,7 +238,7 @@ def slstm_like_loop(*args, T=24):
     makes it no sLSTM (sigmoid(z) for tanh(z)): its log-sigmoids look mLSTM-like."""
     gates, R = args[:4 * T], args[4 * T]
     B, NH, D = gates[0].shape
-    h = c = n = m = torch.zeros(B, NH, D)
+    h = c = n = m = torch.zeros(B, NH, D, device=R.device)
     ys = []
     for t in range(T):
         rec = torch.einsum("bhd,hde->bhe", h, R)
