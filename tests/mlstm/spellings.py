@@ -95,26 +95,25 @@ def where_drop_branch_softplus(q, k, v, i, f):
     return torch.einsum("bhts,bhsd->bhtd", C / n, v)
 
 
-def reciprocal_normalizer(q, k, v, i, f):
-    """The normalizer applied as a reciprocal: not a spelling the walk knows, proven instead."""
+def _reciprocal(q, k, v, i, f, eps):
     S, D = q.shape[-2:]
     Fc = F.logsigmoid(f).cumsum(-1)
     logD = (Fc[..., :, None] - Fc[..., None, :] + i[..., None, :]).masked_fill(
         ~torch.ones(S, S, dtype=torch.bool, device=q.device).tril(), float("-inf"))
     m = logD.amax(-1, keepdim=True)
     C = q @ k.transpose(-2, -1) * torch.exp(logD - m) / math.sqrt(D)
-    return (C * torch.reciprocal(torch.maximum(C.sum(-1, keepdim=True).abs(), torch.exp(-m)))) @ v
+    n = torch.maximum(C.sum(-1, keepdim=True).abs(), torch.exp(-m))
+    return (C * torch.reciprocal(n + eps if eps else n)) @ v
+
+
+def reciprocal_normalizer(q, k, v, i, f):
+    """The normalizer applied as a reciprocal: not a spelling the walk knows, proven instead."""
+    return _reciprocal(q, k, v, i, f, eps=None)
 
 
 def reciprocal_normalizer_eps(q, k, v, i, f):
     """The same with an eps, added inside the reciprocal."""
-    S, D = q.shape[-2:]
-    Fc = F.logsigmoid(f).cumsum(-1)
-    logD = (Fc[..., :, None] - Fc[..., None, :] + i[..., None, :]).masked_fill(
-        ~torch.ones(S, S, dtype=torch.bool, device=q.device).tril(), float("-inf"))
-    m = logD.amax(-1, keepdim=True)
-    C = q @ k.transpose(-2, -1) * torch.exp(logD - m) / math.sqrt(D)
-    return (C * torch.reciprocal(torch.maximum(C.sum(-1, keepdim=True).abs(), torch.exp(-m)) + 1e-6)) @ v
+    return _reciprocal(q, k, v, i, f, eps=1e-6)
 
 
 STRUCTURAL = [paper, tuple_max_float_mask, xlstm_cumsum, einsum_scale_last, arange_mask_before_i,
