@@ -26,6 +26,11 @@ def val(node) -> object:
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
+def is_op(node, *targets) -> bool:
+    """A call of one of `targets`."""
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
 def named_arguments(node: torch.fx.Node) -> dict | None:
     """An op node's arguments by their schema names, defaults filled in (None where the target has
     no schema that binds them), however the call spelled them (positions or keywords)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ..graph_utils import is_op
 from ..proof import NoMatch  # the shared one; the family's walks import it from here
 
 aten = torch.ops.aten
@@ -19,10 +20,6 @@ class DynamicEps(NoMatch):
 
     def __init__(self):
         super().__init__(DYNAMIC_EPS)
-
-
-def is_op(node, *targets) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
 
 def expect(node, *targets, what: str):

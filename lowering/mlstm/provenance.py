@@ -251,10 +251,6 @@ def _example(v, gen, point: dict | None = None):
     return _size_at(v, point) if isinstance(v, torch.SymInt) else v
 
 
-def _concrete_shape(v) -> tuple:
-    return tuple(example_int(s) for s in v.shape)
-
-
 def _size_at(size, point: dict | None) -> int:
     if isinstance(size, int) or point is None:
         return example_int(size)
@@ -275,14 +271,14 @@ def size_points(inputs) -> list:
         sizes = v.shape if isinstance(v, torch.Tensor) else [v] if isinstance(v, torch.SymInt) else []
         for s in sizes:
             if isinstance(s, torch.SymInt):
-                for sym in s.node.expr.free_symbols:
-                    hint = example_int(s) if s.node.expr == sym else None
-                    symbols.setdefault(sym, hint)
+                for sym in s.node.expr.free_symbols:  # each symbol's example value, wherever it first shows
+                    symbols[sym] = s.node.shape_env.var_to_val.get(sym)
     if not symbols:
         return [None]
     if any(h is None for h in symbols.values()):
-        raise Refused("a symbolic size that is not a plain input size: its values cannot be chosen to prove it")
-    return [None, {sym: h + 1 for sym, h in symbols.items()}]
+        raise Refused("a symbolic size without an example value (data-dependent): its values cannot be chosen "
+                      "to prove it")
+    return [None, {sym: int(h) + 1 for sym, h in symbols.items()}]
 
 
 # (input gate shift, forget gate shift, scale of q, k, v) of each run. Forget gates near 1 as in
@@ -309,7 +305,7 @@ def _in_float64(vals: list) -> list:
 
 def prove(region: regions.Region, targets=("sequence", "step")) -> Proof:
     inputs = region.inputs
-    roled = {k: _concrete_shape(val(x)) for k, x in enumerate(inputs)
+    roled = {k: _shape_at(val(x), None) for k, x in enumerate(inputs)
              if isinstance(val(x), torch.Tensor) and x not in region.size_inputs}
     floats = [x for x in inputs if not isinstance(val(x), torch.Tensor) and not isinstance(val(x), torch.SymInt)]
     if floats:
@@ -347,8 +343,7 @@ def prove(region: regions.Region, targets=("sequence", "step")) -> Proof:
             first = _expected(roles, _in_float64(regimes[0]), (memo, (gates, 0, 64)))["h"]
             acc = _first_regime(region.nodes, user[torch.float64][0], user[torch.float32][0], first)
             if acc is None or acc.exact > max(acc.own, proof.EXACT_FLOOR):  # most readings fail here
-                if acc is not None and (closest is None or acc.excess() < closest.excess()):
-                    closest = acc
+                closest = _closer(closest, acc)
                 continue
             want = {bits: [_expected(roles, vals if bits == 32 else _in_float64(vals), (memo, (gates, k, bits)))
                            for k, vals in enumerate(regimes)] for bits in (32, 64)}
@@ -356,8 +351,7 @@ def prove(region: regions.Region, targets=("sequence", "step")) -> Proof:
             found, acc, escaped = _try(region.nodes, runs, roles)
             if found is not None:
                 proofs.append(found)
-            if acc is not None and (closest is None or acc.excess() < closest.excess()):
-                closest = acc
+            closest = _closer(closest, acc)
             escapes = escapes or escaped
     if not proofs:
         if escapes:
@@ -369,6 +363,11 @@ def prove(region: regions.Region, targets=("sequence", "step")) -> Proof:
     if len(readings) != 1:
         raise Refused("several input readings reproduce it")
     return min(proofs, key=lambda p: p.accuracy.excess())
+
+
+def _closer(a: proof.Accuracy | None, b: proof.Accuracy | None) -> proof.Accuracy | None:
+    """The one nearer its bound (for the refusal's message)."""
+    return min((x for x in (a, b) if x is not None), key=proof.Accuracy.excess, default=None)
 
 
 def _shapes_of(group: list, vals: list) -> set:

@@ -7,6 +7,8 @@ import operator
 import torch
 from torch.fx import Node
 
+from ..graph_utils import is_op, val  # noqa: F401 - the family's modules import them from here
+
 aten = torch.ops.aten
 
 MAX = (aten.maximum.default, aten.max.other)
@@ -33,14 +35,6 @@ FILL_FACTORIES = (aten.full.default, aten.full_like.default, aten.new_full.defau
 FACTORIES = ZERO_FACTORIES + FILL_FACTORIES + (
     aten.ones.default, aten.ones_like.default, aten.new_ones.default, aten.scalar_tensor.default,
     aten.empty_like.default)
-
-
-def is_op(node, *targets) -> bool:
-    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
-
-
-def val(node):
-    return node.meta.get("val") if isinstance(node, Node) else None
 
 
 def is_zeros(node) -> bool:

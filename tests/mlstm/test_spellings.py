@@ -13,14 +13,13 @@ from tests.mlstm import spellings
 from torch_xaccel.report import collect
 
 
-def _truth_and_eager(fn, x):
-    """(float64 output and gradients, fp32 eager output and gradients) for the same inputs."""
-    out = []
-    for dtype in (torch.float64, torch.float32):
-        xs = [t.detach().to(dtype).requires_grad_(t.requires_grad) for t in x]
-        casts = "dtype" in inspect.signature(fn).parameters
-        out.append(_run(functools.partial(fn, dtype=dtype) if casts else fn, xs))
-    return out
+def _truth_and_eager(fn, x, dtype=torch.float32):
+    """(float64 output and gradients, eager's in `dtype`) for the same inputs; a spelling that casts
+    to its compute dtype runs in float64 for the truth."""
+    casts = "dtype" in inspect.signature(fn).parameters
+    inputs = lambda d: [t.detach().to(d).requires_grad_(t.requires_grad) for t in x]  # noqa: E731
+    truth = _run(functools.partial(fn, dtype=torch.float64) if casts else fn, inputs(torch.float64))
+    return truth, _run(fn, inputs(dtype))
 
 
 def _run(fn, xs):
@@ -132,7 +131,7 @@ def test_spellings_in_bf16_run_the_kernels(fn):
     gradients are no further from the float64 truth than eager's bf16 code (or than the kernels'
     own bf16 tolerance)."""
     x = [t.detach().cuda().to(torch.bfloat16).requires_grad_() for t in spellings.inputs(S=200, D=64, seed=7)]
-    (truth, truth_g), (eager, eager_g) = _truth_and_eager_in(fn, x, torch.bfloat16)
+    (truth, truth_g), (eager, eager_g) = _truth_and_eager(fn, x, torch.bfloat16)
     torch._dynamo.reset()
     with collect() as graphs:
         got, got_g = _run(torch.compile(fn, backend="xaccel"), [t.detach().clone().requires_grad_() for t in x])
@@ -140,11 +139,3 @@ def test_spellings_in_bf16_run_the_kernels(fn):
     for name, a, e, t, floor in [("h", got, eager, truth, 1e-2)] + [
             (f"grad {k}", *g, 5e-2) for k, g in enumerate(zip(got_g, eager_g, truth_g))]:
         assert _err(a, t) <= max(1.5 * _err(e, t), floor), (name, _err(a, t), _err(e, t))
-
-
-def _truth_and_eager_in(fn, x, dtype):
-    """The float64 truth and eager in `dtype` (where the spelling casts, it computes in fp32)."""
-    casts = "dtype" in inspect.signature(fn).parameters
-    truth = _run(functools.partial(fn, dtype=torch.float64) if casts else fn,
-                 [t.detach().double().requires_grad_() for t in x])
-    return truth, _run(fn, [t.detach().to(dtype).requires_grad_() for t in x])
