@@ -40,10 +40,13 @@ def key(family: str, parts: str, device: torch.device, template_digest: str) -> 
 def _machine(device: torch.device) -> str:
     """The GPU and versions part of every key: built once per device, since families build keys
     on their calls' hot path."""
-    import triton
-
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:  # a CPU install without Triton: the graph choice still keys on the machine
+        triton_version = "none"
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return f"{gpu}|torch{torch.__version__}|triton{triton.__version__}"
+    return f"{gpu}|torch{torch.__version__}|triton{triton_version}"
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,10 @@ import torch
 # tests' budget (XACCEL_FUZZ_CASES, XACCEL_FUZZ_START) is not a backend switch and stays.
 for _name in [k for k in os.environ if k.startswith("XACCEL_") and not k.startswith("XACCEL_FUZZ_")]:
     del os.environ[_name]
+# The measured choice (choice.py) builds Inductor candidates and times them at each graph's first
+# call: the suite checks what the replacements compute with it off, and tests/test_choice.py
+# turns it on for the choice itself.
+os.environ["XACCEL_CHOOSE"] = "0"
 
 
 def pytest_collection_modifyitems(config, items):

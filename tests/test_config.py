@@ -20,10 +20,11 @@ def _run(backend="xaccel"):
     return Report(graphs=graphs)
 
 
-def test_defaults():
+def test_defaults(monkeypatch):
+    monkeypatch.delenv("XACCEL_CHOOSE")  # (the suite's conftest turns the choice off)
     cfg = config.load()
     assert (cfg.disable, cfg.fallback, cfg.log, cfg.mlstm_keep_states, cfg.tune, cfg.compile_threads, cfg.cutlass,
-            cfg.leave_to_inductor) == (False, "eager", False, True, True, 8, "1", True)
+            cfg.leave_to_inductor, cfg.choose) == (False, "auto", False, True, True, 8, "1", True, True)
     assert cfg.backward_fusion is None  # unset: the gemm_epilogue family decides (on where CUTLASS kernels run)
     assert "gemm_epilogue" in cfg.patterns
     assert str(cfg.cache_dir).endswith(".cache/torch_xaccel")
@@ -84,7 +85,8 @@ def test_cache_dir(xaccel_env, tmp_path):
     ("XACCEL_BACKWARD_FUSION", "both", "0 or 1"),
     ("XACCEL_COMPILE_THREADS", "0", "whole number >= 1"),
     ("XACCEL_PATTERNS", "gemm_epilogue,attention", "gemm_epilogue"),
-    ("XACCEL_FALLBACK", "tvm", "eager, inductor"),
+    ("XACCEL_FALLBACK", "tvm", "auto, eager, inductor"),
+    ("XACCEL_CHOOSE", "sometimes", "0 or 1"),
 ])
 def test_invalid_values_name_variable_and_allowed_values(xaccel_env, name, value, allowed):
     xaccel_env(**{name: value})

@@ -10,6 +10,7 @@ point and registers the function itself; a second registration fails with "dupli
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -20,11 +21,13 @@ import torch
 from torch._dynamo.exc import RestartAnalysis as _RestartAnalysis, TensorifyScalarRestartAnalysis
 
 from . import (
+    choice,
     config as _config,
     eager_calls,
     families,
     gradient_sums,
     ops,  # noqa: F401  (registers torch.ops.xaccel.*)
+    regions,
 )
 from .errors import XaccelFallbackWarning
 from .modes import CUDAGRAPHS, describe, rest_options, warn_inductor_only
@@ -197,16 +200,105 @@ def plain_decode_steps(report, example_inputs, patches: dict) -> int:
     return sum(r.op in families.DECODE_OPS for r in report.replacements)
 
 
+def _choice_settings(cfg, patches: dict, training: bool) -> str:
+    """What shapes a graph's candidates besides its code and inputs (part of its choice's key)."""
+    return "|".join(str(x) for x in (
+        sorted(cfg.patterns), cfg.fallback, cfg.backward_fusion, cfg.leave_to_inductor, cfg.mlstm_keep_states,
+        cfg.cutlass, training, torch.is_grad_enabled(), sorted((k, repr(v)) for k, v in patches.items()),
+        _fp32_matmul_setting()))
+
+
+def _fp32_matmul_setting() -> str:
+    """torch's float32 matmul setting, however it was set (torch 2.13 raises on the legacy reader
+    once a program used the new setter)."""
+    for read in (lambda: torch.backends.cuda.matmul.fp32_precision, torch.get_float32_matmul_precision,
+                 lambda: torch.backends.cuda.matmul.allow_tf32):
+        try:
+            return str(read())
+        except (AttributeError, RuntimeError):
+            continue
+    return "?"
+
+
+def _xaccel_rests(cfg, choosing: bool) -> list[str]:
+    """The rests the xaccel candidates run under: XACCEL_FALLBACK's, or with "auto" both when the
+    choice is measured (else the eager rest)."""
+    if cfg.fallback != "auto":
+        return [cfg.fallback]
+    return ["eager", "inductor"] if choosing else ["eager"]
+
+
+def _candidates(gm, graphs: dict, example_inputs, cfg, patches, report, training, choosing) -> list:
+    """The graph's candidates, unbuilt: each lowered graph under its rest (`graphs`: rest -> the
+    lowered graph, its losing regions put back), and with the measured choice the captured graph
+    under Inductor and as it is."""
+    cands = []
+    for rest, lowered in graphs.items():
+        def build(rest=rest, lowered=lowered):
+            g = _copied(lowered)  # each rest its own graph: compiling one must not change another's
+            _carry_dynamo_metadata(gm, g)
+            return _compile_rest(g, example_inputs, rest, patches,
+                                 _backward_pass(cfg, report) if training else None, _rest_pass(cfg, report))
+        cands.append(choice.Candidate(choice.xaccel_candidate(rest), build))
+    if choosing:
+        cands.append(choice.Candidate(choice.INDUCTOR, lambda: _compile_rest(gm, example_inputs, "inductor", patches)))
+        cands.append(choice.Candidate(choice.EAGER, lambda: gm.forward))
+    return cands
+
+
+def _region_graphs(diff, example_inputs, training, rests, written, settings, report) -> dict:
+    """rest -> the lowered graph with the regions that measured slower than their original beside
+    that rest put back (regions.py, choice.choose_regions); a rest whose every region lost gets no
+    xaccel candidate (the captured graph's candidates cover it). Not measured where the graph
+    writes its inputs (running it at compile time would write them). A graph with regions put back
+    must compute what the lowered one does on the example inputs (a check of the rewiring, not of
+    numerics), else the lowered graph stays."""
+    if diff is None:
+        return {}
+    if written:
+        return dict.fromkeys(rests, diff.lowered)
+    revert, report.region_choices = choice.choose_regions(diff, example_inputs, training, rests,
+                                                         choice.device_of(example_inputs), settings)
+    graphs = {}
+    for rest in rests:
+        if not revert[rest]:
+            graphs[rest] = diff.lowered
+        elif len(revert[rest]) < len(diff.regions):
+            reverted = diff.revert(revert[rest])
+            ok = reverted is not None and choice.same_outputs(reverted, diff.lowered, example_inputs)
+            graphs[rest] = reverted if ok else diff.lowered
+            if not ok:
+                report.region_choices.append(f"beside the {rest} rest: kept every region (putting back "
+                                             f"{len(revert[rest])} did not rewire cleanly)")
+    return graphs
+
+
+def _run_unchosen(gm, lowered, example_inputs, cfg, patches, report, training):
+    """XACCEL_CHOOSE=0 (or CUDA graphs): the lowered graph under XACCEL_FALLBACK's rest (eager for
+    "auto"), or the captured graph when nothing was replaced."""
+    rest = _xaccel_rests(cfg, False)[0]
+    if not report.replacements:
+        if rest == "eager" and not patches.get(CUDAGRAPHS):
+            return gm.forward
+        return _compile_rest(gm, example_inputs, rest, patches)
+    _carry_dynamo_metadata(gm, lowered)
+    return _compile_rest(lowered, example_inputs, rest, patches, _backward_pass(cfg, report) if training else None,
+                         _rest_pass(cfg, report))
+
+
 def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **options):
     """torch.compile(..., backend="xaccel"[, mode=..., options=...]); see modes.py for the mode."""
     families.install_trace_hooks()  # a library imported after the backend loaded: its next trace
     cfg = _config.load()
     patches = rest_options(options)  # an unknown mode or option raises, like an invalid XACCEL_* value
-    if cfg.fallback == "eager":
+    choosing = cfg.choose and not patches.get(CUDAGRAPHS)  # (CUDA graphs: not measured yet)
+    # the rest the passes plan for: XACCEL_FALLBACK's, "auto" while the choice is open
+    planned_rest = cfg.fallback if choosing or cfg.fallback != "auto" else "eager"
+    if planned_rest == "eager":
         warn_inductor_only(patches)
     report = new_graph_report()
-    report.fallback_backend, report.patterns = cfg.fallback, tuple(sorted(cfg.patterns))
-    settings = describe(options.get("mode") or "default", patches, cfg.fallback)
+    report.fallback_backend, report.patterns = planned_rest, tuple(sorted(cfg.patterns))
+    settings = describe(options.get("mode") or "default", patches, planned_rest)
     restarting = False
     try:
         if cfg.disable:
@@ -216,27 +308,46 @@ def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **options):
 
         training = torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+        key, decided = None, None
+        if choosing:
+            device = choice.device_of(example_inputs)
+            choice_settings = _choice_settings(cfg, patches, training)
+            key = choice.graph_key(gm, example_inputs, choice_settings, device)
+            decided = choice.stored(key)
+            if decided is not None and decided["config"] in choice.ANCHORS:  # nothing of ours runs: no lowering
+                report.chosen, report.choice = decided["config"], choice.describe(decided, cached=True)
+                report.settings = settings
+                anchor = _candidates(gm, {}, example_inputs, cfg, patches, report, training, True)
+                return next(c for c in anchor if c.name == decided["config"]).build()
         aten_gm = _trace_to_aten(gm, example_inputs)
         aten_gm.meta["xaccel_example_inputs"] = example_inputs  # real values, for checks of cached constants
+        written = choice.written_inputs(aten_gm) if choosing else None  # (before passes rewrite the graph)
+        original = None
+        if choosing:
+            regions.tag(aten_gm)
+            original = regions.snapshot(aten_gm)
         ctx = PassContext(cfg, report, training)
-        lowered = run_passes(aten_gm, ctx)
+        with regions.Replacements(aten_gm) if choosing else contextlib.nullcontext() as replacements:
+            lowered = run_passes(aten_gm, ctx)
         if CONSTANT_FLOATS in ctx.requests and _specialize_float_inputs(gm):
             raise TensorifyScalarRestartAnalysis  # traced again with those floats as constants
-        if cfg.fallback == "eager":  # only the eager fallback leaves them unfused (the report's hint)
+        rests = _xaccel_rests(cfg, choosing)
+        if "eager" in rests:  # only the eager rest leaves them unfused (the report's hint)
             report.eager_pointwise = _pointwise_ops(lowered)
         report.plain_decode_steps = plain_decode_steps(report, example_inputs, patches)
-        if not report.replacements:
-            # nothing of ours in the graph: hand the original to the fallback untouched
-            if cfg.fallback == "eager" and not patches.get(CUDAGRAPHS):
-                report.settings = settings
-                return gm.forward
-            compiled = _compile_rest(gm, example_inputs, cfg.fallback, patches)
-        else:
-            _carry_dynamo_metadata(gm, lowered)
-            compiled = _compile_rest(lowered, example_inputs, cfg.fallback, patches,
-                                     _backward_pass(cfg, report) if training else None, _rest_pass(cfg, report))
-        report.settings = settings  # (not on the paths that run the captured graph as it is)
-        return compiled
+        if not choosing:
+            report.settings = settings
+            return _run_unchosen(gm, lowered, example_inputs, cfg, patches, report, training)
+        graphs = _region_graphs(regions.Diff(original, lowered, replacements) if report.replacements else None,
+                                example_inputs, training, rests, written, choice_settings, report)
+        cands = _candidates(gm, graphs, example_inputs, cfg, patches, report, training, True)
+        report.settings = settings
+        if decided is not None and any(c.name == decided["config"] for c in cands):
+            report.chosen, report.choice = decided["config"], choice.describe(decided, cached=True)
+            return next(c for c in cands if c.name == decided["config"]).build()
+        for c in cands:
+            c.make()
+        return choice.Chooser(key, cands, training, device, report, written)
     except _RestartAnalysis:  # Dynamo traces the frame again and calls the backend anew
         restarting = True
         raise

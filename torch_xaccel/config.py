@@ -14,7 +14,7 @@ from pathlib import Path
 from . import families
 from .errors import XaccelConfigError
 
-FALLBACKS = ("eager", "inductor")
+FALLBACKS = ("auto", "eager", "inductor")
 CUTLASS_MODES = ("0", "1", "wait")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -27,7 +27,8 @@ class Config:
     # XACCEL_PATTERNS (every pattern, families.PATTERNS): the patterns to
     # replace, a comma-separated subset of families.PATTERNS
     patterns: frozenset[str]
-    # XACCEL_FALLBACK (eager): what runs the rest of the graph, eager or inductor
+    # XACCEL_FALLBACK (auto): what runs the rest of the graph beside the replacements: eager,
+    # inductor, or auto (both are candidates of the measured choice; eager without it)
     fallback: str
     # XACCEL_LOG (off): print each graph's report when it compiles
     log: bool
@@ -50,6 +51,10 @@ class Config:
     # XACCEL_MLSTM_KEEP_STATES (on): a training graph's mLSTM keeps the state entering each chunk
     # for its backward (memory for a second sequential scan)
     mlstm_keep_states: bool = True
+    # XACCEL_CHOOSE (on): each graph runs as the fastest of its candidates (the replacements with
+    # each rest, the captured graph under Inductor, the captured graph as it is), measured at its
+    # first call and stored with the kernel tunings (choice.py); off, the replacements always run
+    choose: bool = True
 
 
 def _raw(name: str) -> str:
@@ -82,7 +87,7 @@ def _patterns() -> frozenset[str]:
 
 
 def _fallback() -> str:
-    raw = _raw("XACCEL_FALLBACK").lower() or "eager"
+    raw = _raw("XACCEL_FALLBACK").lower() or "auto"
     if raw not in FALLBACKS:
         raise XaccelConfigError(f"XACCEL_FALLBACK={os.environ['XACCEL_FALLBACK']!r} is invalid; "
                                 f"allowed: {', '.join(FALLBACKS)}")
@@ -121,7 +126,7 @@ def load() -> Config:
                   log=_flag("XACCEL_LOG", False), cache_dir=_cache_dir(), tune=_flag("XACCEL_TUNE", True),
                   compile_threads=_compile_threads(), cutlass=_cutlass(), backward_fusion=backward,
                   leave_to_inductor=_flag("XACCEL_LEAVE_TO_INDUCTOR", True),
-                  mlstm_keep_states=_flag("XACCEL_MLSTM_KEEP_STATES", True))
+                  mlstm_keep_states=_flag("XACCEL_MLSTM_KEEP_STATES", True), choose=_flag("XACCEL_CHOOSE", True))
 
 
 _CURRENT: tuple[tuple, Config] | None = None

@@ -58,6 +58,8 @@ def describe(mode: str, patches: dict, fallback: str) -> str:
     label = f"mode={mode}" if mode != "default" else f"options {sorted(patches)}"
     if fallback == "inductor":
         return f"{label}: the rest of the graph by Inductor with these settings"
+    if fallback == "auto" and not patches.get(CUDAGRAPHS):
+        return f"{label}: the Inductor candidates of the measured choice use these settings"
     if patches.get(CUDAGRAPHS):
         return f"{label}: the rest of the graph eagerly under CUDA graphs (the only setting the eager rest uses)"
     return f"{label}: ignored (these settings only apply to Inductor; XACCEL_FALLBACK=eager)"

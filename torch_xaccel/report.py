@@ -40,6 +40,9 @@ class GraphReport:
     plain_decode_steps: int = 0  # decode-step ops of a CUDA graph module compiled without CUDA graphs
     settings: str = ""  # torch.compile's mode=/options= as applied, for the report (modes.describe)
     generation: int = 0  # Dynamo's reset generation it was compiled in (last_report drops older ones)
+    chosen: str = ""  # the candidate that runs the graph (choice.py), once chosen
+    choice: str = ""  # the report's line for it: the candidate and the times that chose it
+    region_choices: list = field(default_factory=list)  # per kind of region: kept or put back, and the times
 
 
 POINTWISE_HINT = 16  # from this many eager pointwise ops on, the report suggests Inductor for the rest
@@ -74,7 +77,11 @@ class Report:
         counts = ", ".join(f"{k}={v}" for k, v in self.counts().items())
         lines.append(f"  replaced: {counts}")
         lines += [f"  {s}" for s in dict.fromkeys(g.settings for g in self.graphs if g.settings)]
-        left = sum(g.eager_pointwise for g in self.graphs if g.fallback_backend == "eager")
+        for g in self.graphs:
+            lines += [f"  graph {g.index} region {line}" for line in g.region_choices]
+            lines += [f"  graph {g.index}: {g.choice}"] if g.choice else []
+        left = sum(g.eager_pointwise for g in self.graphs
+                   if g.fallback_backend == "eager" or g.chosen == "xaccel (eager rest)")
         if left >= POINTWISE_HINT:
             lines.append(f"  hint: {left} pointwise ops outside the replaced patterns run eagerly, one kernel each; "
                          "XACCEL_FALLBACK=inductor fuses them (faster steps, a longer compile; docs/benchmarks.md)")

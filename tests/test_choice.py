@@ -1,0 +1,464 @@
+"""The measured choice (torch_xaccel/choice.py): each graph runs as the fastest of its candidates.
+
+Most tests give the measurement fixed times (the logic under test is what is done with them) and
+let the eager rest stand in for Inductor (Inductor's C++ builds take minutes on a small CPU);
+test_real_inductor_candidates builds and times the real ones."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torch_xaccel import backend, choice
+from torch_xaccel.report import last_report
+
+NAMES = (choice.XACCEL_EAGER, choice.XACCEL_INDUCTOR, choice.INDUCTOR, choice.EAGER)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
+def _stand_in_for_inductor(monkeypatch):
+    real = backend._compile_rest
+
+    def compile_rest(gm, example_inputs, fallback, patches, *args, **kwargs):
+        return real(gm, example_inputs, "eager", patches, *args, **kwargs)
+    monkeypatch.setattr(backend, "_compile_rest", compile_rest)
+    monkeypatch.setattr(choice, "compile_region_inductor", lambda gm, inputs: gm)
+
+
+def _region_outcome(monkeypatch, put_back=lambda code: False, calls: list | None = None):
+    """Regions measured with fixed outcomes: put back where put_back(the replaced side's code)."""
+    def measure_region(sides, values, rests, training, device):
+        if calls is not None:
+            calls.append(sides.replaced.code)
+        back = put_back(sides.replaced.code)
+        timings = [["replaced", 2.0 if back else 1.0, ""]] + [[f"written ({r})", 1.5, ""] for r in rests]
+        return {"config": {r: choice.REVERT if back else choice.KEEP for r in rests}, "timings": timings,
+                "mode": "fixed"}
+    monkeypatch.setattr(choice, "_measure_region", measure_region)
+
+
+@pytest.fixture
+def choosing(xaccel_env, tmp_path, monkeypatch):
+    xaccel_env(XACCEL_CHOOSE="1", XACCEL_CACHE_DIR=str(tmp_path))
+    _stand_in_for_inductor(monkeypatch)
+    _region_outcome(monkeypatch)
+    return tmp_path
+
+
+def _fixed_times(monkeypatch, ms: dict, calls: list | None = None):
+    def measure(cands, args, training, device, written=None, clock=None):
+        if calls is not None:
+            calls.append(sorted(cands))
+        return choice.Measurement(ms={n: ms[n] for n in cands if n in ms})
+    monkeypatch.setattr(choice, "measure", measure)
+
+
+def _train_step(model, x):
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    out.square().mean().backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _check_against_eager(compiled, model, x):
+    out, grads = _train_step(compiled, x)
+    ref, ref_grads = _train_step(model, x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("winner", NAMES)
+def test_the_fastest_candidate_runs_and_the_report_says_so(choosing, monkeypatch, winner):
+    times = {n: 2.0 for n in NAMES} | {winner: 1.0}
+    _fixed_times(monkeypatch, times)
+    model, x = Block(), torch.randn(16, 32)
+    compiled = torch.compile(model, backend="xaccel")
+    _check_against_eager(compiled, model, x)
+    graph = last_report().graphs[0]
+    assert graph.chosen == winner
+    assert f"runs {winner} [measured, train step:" in str(last_report())
+    assert graph.replacements  # what was found stays reported beside what runs
+
+
+@pytest.mark.parametrize("winner", [choice.EAGER, choice.XACCEL_EAGER])
+def test_only_the_chosen_candidate_runs(choosing, monkeypatch, winner):
+    """A region whose measured alternative wins stays as written: the xaccel op never runs."""
+    _fixed_times(monkeypatch, {n: 2.0 for n in NAMES} | {winner: 1.0})
+    calls = []
+    from torch_xaccel import ops
+
+    target = torch.ops.xaccel.gemm_epilogue.default
+    real = ops.DIRECT_CALLS[target]
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setitem(ops.DIRECT_CALLS, target, counted)
+    model, x = Block(), torch.randn(16, 32)
+    compiled = torch.compile(model, backend="xaccel")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+        compiled(x)
+    assert last_report().graphs[0].chosen == winner
+    assert bool(calls) == (winner == choice.XACCEL_EAGER)
+
+
+def test_a_measurement_that_fails_runs_the_captured_graph_under_inductor(choosing, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("timer broke")
+    monkeypatch.setattr(choice, "measure", broken)
+    model, x = Block(), torch.randn(16, 32)
+    compiled = torch.compile(model, backend="xaccel")
+    _check_against_eager(compiled, model, x)
+    graph = last_report().graphs[0]
+    assert graph.chosen == choice.INDUCTOR and "measurement failed (RuntimeError: timer broke)" in graph.choice
+
+
+def test_a_candidate_that_fails_is_dropped_with_its_error(choosing, monkeypatch):
+    """Real timing; the eager-rest candidate raises at its first call."""
+    real = backend._compile_rest
+
+    def compile_rest(gm, example_inputs, fallback, patches, *args, **kwargs):
+        fn = real(gm, example_inputs, "eager", patches, *args, **kwargs)
+        replaced = any(str(n.target).startswith("xaccel.") for n in gm.graph.nodes)
+        if fallback == "eager" and replaced:
+            def broken(*a):
+                raise RuntimeError("kernel exploded")
+            return broken
+        return fn
+    monkeypatch.setattr(backend, "_compile_rest", compile_rest)
+    model, x = Block(), torch.randn(16, 32)
+    compiled = torch.compile(model, backend="xaccel")
+    _check_against_eager(compiled, model, x)
+    graph = last_report().graphs[0]
+    assert graph.chosen != choice.XACCEL_EAGER
+    assert "xaccel (eager rest) (failed: RuntimeError: kernel exploded)" in graph.choice
+
+
+def test_a_candidate_that_fails_to_build_is_dropped(choosing, monkeypatch):
+    real = backend._compile_rest
+
+    def compile_rest(gm, example_inputs, fallback, patches, *args, **kwargs):
+        if any(str(n.target).startswith("xaccel.") for n in gm.graph.nodes):
+            raise ValueError("no build today")
+        return real(gm, example_inputs, "eager", patches, *args, **kwargs)
+    monkeypatch.setattr(backend, "_compile_rest", compile_rest)
+    _fixed_times(monkeypatch, {n: 1.0 for n in NAMES})
+    model, x = Block(), torch.randn(16, 32)
+    compiled = torch.compile(model, backend="xaccel")
+    _check_against_eager(compiled, model, x)
+    graph = last_report().graphs[0]
+    assert graph.chosen in choice.ANCHORS and "build failed: ValueError: no build today" in graph.choice
+
+
+def _choice_entries(cache: Path, kind: str = "choice") -> list[Path]:
+    return [p for p in (cache / "tuning").glob("*.json") if json.loads(p.read_text())["key"].startswith(kind + "|")]
+
+
+def test_decisions_are_reused_and_a_damaged_one_is_measured_again(choosing, monkeypatch):
+    calls = []
+    _fixed_times(monkeypatch, {choice.XACCEL_EAGER: 1.0, choice.XACCEL_INDUCTOR: 2.0, choice.INDUCTOR: 3.0,
+                               choice.EAGER: 4.0}, calls)
+    model, x = Block(), torch.randn(16, 32)
+    torch.compile(model, backend="xaccel")(x)
+    assert len(calls) == 1 and len(_choice_entries(choosing)) == 1
+    torch._dynamo.reset()
+    torch.compile(model, backend="xaccel")(x)
+    assert len(calls) == 1 and "runs xaccel (eager rest) [stored decision" in last_report().graphs[0].choice
+    entry, = _choice_entries(choosing)
+    entry.write_text("{ not json")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="xaccel")
+    _check_against_eager(compiled, model, x)
+    assert len(calls) == 2 and "[measured" in last_report().graphs[0].choice
+    assert json.loads(entry.read_text())["value"]["config"] == choice.XACCEL_EAGER  # rebuilt
+
+
+def test_other_shapes_are_chosen_anew(choosing, monkeypatch):
+    calls = []
+    _fixed_times(monkeypatch, {n: 1.0 for n in NAMES}, calls)
+    model = Block()
+    torch.compile(model, backend="xaccel", dynamic=False)(torch.randn(16, 32))
+    torch.compile(model, backend="xaccel", dynamic=False)(torch.randn(24, 32))
+    assert len(calls) == 2
+
+
+_PROCESS = textwrap.dedent("""
+    import torch, torch.nn as nn, torch.nn.functional as F
+    from torch_xaccel import backend, choice
+    from torch_xaccel.report import last_report
+
+    real = backend._compile_rest
+    backend._compile_rest = lambda gm, ex, fallback, patches, *a, **k: real(gm, ex, "eager", patches, *a, **k)
+    def measure(cands, args, training, device, written=None, clock=None):
+        return choice.Measurement(ms={n: (1.0 if n == choice.INDUCTOR else 2.0) for n in cands})
+    choice.measure = measure
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    with torch.no_grad():
+        out = torch.compile(model, backend="xaccel")(torch.ones(8, 32))
+        assert torch.allclose(out, model(torch.ones(8, 32)), atol=1e-5)
+    graph = last_report().graphs[0]
+    print("CHOICE", graph.choice)
+    print("REPLACED", len(graph.replacements))
+""")
+
+
+def test_decisions_are_reused_across_processes(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XACCEL_")}
+    env.update(XACCEL_CHOOSE="1", XACCEL_CACHE_DIR=str(tmp_path), PYTHONPATH=str(Path(__file__).parents[1]))
+    script = tmp_path / "run.py"
+    script.write_text(_PROCESS)
+    first = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    second = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert "CHOICE runs inductor [measured, forward:" in first.stdout and "REPLACED 1" in first.stdout
+    # the stored winner is an anchor: the second process builds only it, without lowering anything
+    assert "CHOICE runs inductor [stored decision:" in second.stdout and "REPLACED 0" in second.stdout
+
+
+class Counting(nn.Module):
+    """Writes a buffer in place at every call: the measurement must not write it again."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.block(x)
+
+
+def test_inputs_written_in_place_are_written_once(xaccel_env, tmp_path, monkeypatch):
+    xaccel_env(XACCEL_CHOOSE="1", XACCEL_CACHE_DIR=str(tmp_path))
+    _stand_in_for_inductor(monkeypatch)
+    model, x = Counting(), torch.randn(16, 32)
+    compiled = torch.compile(model, backend="xaccel")
+    with torch.no_grad():
+        compiled(x)
+        assert model.calls.item() == 1
+        compiled(x)
+    assert model.calls.item() == 2 and last_report().graphs[0].choice.startswith("runs ")
+
+
+class Dropping(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, x):
+        return F.dropout(self.block(x), p=0.5, training=True)
+
+
+def test_the_first_call_draws_the_random_numbers_a_later_one_does(choosing):
+    """The measurement puts the random-number state back: the first call's dropout mask is the
+    one the same seed gives a later call."""
+    compiled = torch.compile(Dropping(), backend="xaccel")
+    x = torch.randn(16, 32)
+    torch.manual_seed(7)
+    first = compiled(x)
+    torch.manual_seed(7)
+    second = compiled(x)
+    torch.testing.assert_close(first, second)
+    assert last_report().graphs[0].choice.startswith("runs ")
+
+
+def test_choice_off_runs_the_replacements(xaccel_env, tmp_path):
+    xaccel_env(XACCEL_CHOOSE="0", XACCEL_CACHE_DIR=str(tmp_path))
+    model, x = Block(), torch.randn(16, 32)
+    _check_against_eager(torch.compile(model, backend="xaccel"), model, x)
+    graph = last_report().graphs[0]
+    assert graph.replacements and not graph.choice and not _choice_entries(tmp_path)
+
+
+def test_real_inductor_candidates(xaccel_env, tmp_path):
+    """Every candidate built and timed for real (Inductor's CPU code included): the regions
+    against their originals at compile time, the graph's candidates at its first call."""
+    xaccel_env(XACCEL_CHOOSE="1", XACCEL_CACHE_DIR=str(tmp_path))
+    model, x = Block(), torch.randn(16, 32)
+    compiled = torch.compile(model, backend="xaccel")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    graph = last_report().graphs[0]
+    assert len(graph.region_choices) == 2  # the two chains, one region each (one feeds the other)
+    for region in graph.region_choices:
+        assert region.startswith("gemm_epilogue (1 alike) at test_choice.py")
+        for side in ("replaced", "written (eager)", "written (inductor)"):
+            assert f"{side} " in region
+    for name in (choice.INDUCTOR, choice.EAGER):  # the xaccel candidates too, where their region stayed
+        assert f"{name} " in graph.choice
+    graph_entry, = [json.loads(p.read_text())["value"] for p in _choice_entries(tmp_path)]
+    assert all(ms is not None and ms > 0 for _, ms, _ in graph_entry["timings"])
+
+
+class TwoRegions(nn.Module):
+    """Two replaced regions of different kinds, apart (a layer norm between them), and an
+    mLSTM (the paper's parallel form) beside them."""
+
+    def __init__(self, d: int = 32, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.up, self.down, self.norm = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.LayerNorm(4 * d)
+        self.qkv, self.gates = nn.Linear(d, 3 * d), nn.Linear(d, 2 * heads)
+
+    def forward(self, x):
+        from tests.mlstm import spellings
+
+        B, S, d = x.shape
+        q, k, v = (t.view(B, S, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        i, f = (t.transpose(1, 2) for t in self.gates(x).chunk(2, -1))
+        h = spellings.paper(q, k, v, i, f).transpose(1, 2).reshape(B, S, d)
+        return h + self.down(self.norm(F.gelu(self.up(x)))) + x
+
+
+def _counting_ops(monkeypatch) -> dict:
+    from torch_xaccel import ops
+
+    counts: dict = {}
+    for target, real in list(ops.DIRECT_CALLS.items()):
+        def counted(*args, target=target, real=real, **kwargs):
+            name = str(target).split(".")[1]
+            counts[name] = counts.get(name, 0) + 1
+            return real(*args, **kwargs)
+        monkeypatch.setitem(ops.DIRECT_CALLS, target, counted)
+    return counts
+
+
+@pytest.mark.parametrize("put_back", ["gelu", "mlstm"])
+def test_a_region_slower_than_its_original_is_put_back(choosing, monkeypatch, put_back):
+    """The mLSTM region, or one GEMM chain, measured slower than as written: that region runs as
+    the user wrote it, the others stay replaced, and the model computes what eager does, in the
+    forward and the gradients."""
+    _region_outcome(monkeypatch, put_back=lambda code: put_back in code)
+    _fixed_times(monkeypatch, {choice.XACCEL_EAGER: 1.0, choice.XACCEL_INDUCTOR: 2.0, choice.INDUCTOR: 3.0,
+                               choice.EAGER: 4.0})
+    counts = _counting_ops(monkeypatch)
+    torch.manual_seed(0)
+    model, x = TwoRegions(), torch.randn(2, 24, 32)
+    compiled = torch.compile(model, backend="xaccel")
+    _check_against_eager(compiled, model, x)
+    graph = last_report().graphs[0]
+    assert graph.chosen == choice.XACCEL_EAGER and len(graph.region_choices) == 3
+    back = [line for line in graph.region_choices if "put back" in line]
+    assert len(back) == 1 and ("mlstm" in back[0]) == (put_back == "mlstm")
+    counts.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+    assert ("mlstm" in counts) == (put_back != "mlstm")
+    assert counts.get("gemm_epilogue") == (2 if put_back == "mlstm" else 1)
+
+
+def test_every_region_put_back_leaves_only_the_captured_graph(choosing, monkeypatch):
+    _region_outcome(monkeypatch, put_back=lambda code: True)
+    calls = []
+    _fixed_times(monkeypatch, {n: 1.0 for n in NAMES}, calls)
+    model, x = TwoRegions(), torch.randn(2, 24, 32)
+    compiled = torch.compile(model, backend="xaccel")
+    _check_against_eager(compiled, model, x)
+    assert calls == [sorted(choice.ANCHORS)]
+
+
+def test_region_decisions_are_stored(choosing, monkeypatch):
+    measured = []
+    _region_outcome(monkeypatch, put_back=lambda code: "gelu" in code, calls=measured)
+    _fixed_times(monkeypatch, {n: 1.0 for n in NAMES})
+    model, x = TwoRegions(), torch.randn(2, 24, 32)
+    torch.compile(model, backend="xaccel")(x)
+    assert len(measured) == 3 and len(_choice_entries(choosing, "region")) == 3
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="xaccel")
+    _check_against_eager(compiled, model, x)
+    assert len(measured) == 3 and sum("put back" in line for line in last_report().graphs[0].region_choices) == 1
+
+
+def test_a_region_measurement_that_fails_puts_the_original_back(choosing, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no clock")
+    monkeypatch.setattr(choice, "_measure_region", broken)
+    _fixed_times(monkeypatch, {n: 1.0 for n in NAMES})
+    model, x = Block(), torch.randn(16, 32)
+    compiled = torch.compile(model, backend="xaccel")
+    _check_against_eager(compiled, model, x)
+    lines = last_report().graphs[0].region_choices
+    assert len(lines) == 2
+    for line in lines:
+        assert "put back beside the eager rest" in line and "measurement failed (RuntimeError: no clock)" in line
+
+
+def test_regions_measured_for_real_on_captured_values(choosing, monkeypatch):
+    """The real region measurement (no fixed outcome): each side runs on the values the region
+    reads in the graph's example call; whatever it decides, the model stays right."""
+    monkeypatch.undo()  # the real _measure_region, but keep the Inductor stand-in and the switches
+    _stand_in_for_inductor(monkeypatch)
+    monkeypatch.setenv("XACCEL_CHOOSE", "1")
+    monkeypatch.setenv("XACCEL_CACHE_DIR", str(choosing))
+    model, x = TwoRegions(), torch.randn(2, 24, 32)
+    compiled = torch.compile(model, backend="xaccel")
+    _check_against_eager(compiled, model, x)
+    lines = last_report().graphs[0].region_choices
+    assert len(lines) == 3 and all("replaced " in line and "written (eager) " in line for line in lines)
+
+
+def test_regions_are_not_measured_where_the_graph_writes_its_inputs(choosing, monkeypatch):
+    _fixed_times(monkeypatch, {n: 1.0 for n in NAMES})
+    model, x = Counting(), torch.randn(16, 32)
+    with torch.no_grad():
+        torch.compile(model, backend="xaccel")(x)
+    assert model.calls.item() == 1 and last_report().graphs[0].region_choices == []
+
+
+def test_adjacent_regions_are_put_back_one_by_one(choosing, monkeypatch):
+    """Two chains where one feeds the other: each is a region of its own (the value between them
+    replaced an original's), so the first can run as written while the second stays replaced."""
+    _region_outcome(monkeypatch, put_back=lambda code: "gelu" in code)
+    _fixed_times(monkeypatch, {n: 2.0 for n in NAMES} | {choice.XACCEL_EAGER: 1.0})
+    counts = _counting_ops(monkeypatch)
+    model, x = Block(), torch.randn(16, 32)
+    compiled = torch.compile(model, backend="xaccel")
+    _check_against_eager(compiled, model, x)
+    lines = last_report().graphs[0].region_choices
+    assert len(lines) == 2 and sum("put back" in line for line in lines) == 1
+    counts.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert counts == {"gemm_epilogue": 1}
+
+
+def test_a_rewiring_that_changes_the_outputs_keeps_the_replacements(choosing, monkeypatch):
+    _region_outcome(monkeypatch, put_back=lambda code: "gelu" in code)
+    _fixed_times(monkeypatch, {n: 2.0 for n in NAMES} | {choice.XACCEL_EAGER: 1.0})
+    monkeypatch.setattr(choice, "same_outputs", lambda a, b, args: False)
+    counts = _counting_ops(monkeypatch)
+    model, x = Block(), torch.randn(16, 32)
+    compiled = torch.compile(model, backend="xaccel")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert counts == {"gemm_epilogue": 2}
+    assert any("did not rewire cleanly" in line for line in last_report().graphs[0].region_choices)
+
+
+def test_same_outputs_tells_a_miswired_graph():
+    gm = torch.fx.symbolic_trace(lambda x, y: x * 2 + y)
+    wrong = torch.fx.symbolic_trace(lambda x, y: y * 2 + x)
+    args = [torch.randn(8), torch.randn(8)]
+    assert choice.same_outputs(gm, gm, args) and not choice.same_outputs(gm, wrong, args)
