@@ -6,6 +6,11 @@
 Prints one table (xaccel, eager, Inductor default, Inductor max-autotune, the cuBLAS matmuls
 alone) with times, TFLOP/s and ratios, checks xaccel against an fp32 reference, and writes
 DIR/bench_<suite>.md and DIR/bench_<suite>.png.
+
+    python -m torch_xaccel.bench sweep [--quick] [--only TEXT] [--list] [--cpu] [--out DIR] ...
+
+runs the performance differential harness instead (torch_xaccel/sweep: model forms x sizes x
+dtypes x modes, eager vs Inductor vs xaccel, each row in its own process; `sweep --help`).
 """
 from __future__ import annotations
 
@@ -1145,7 +1150,12 @@ def plot(rows, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="torch_xaccel side-by-side benchmarks")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["sweep"]:  # its own options: torch_xaccel/sweep/run.py
+        from torch_xaccel.sweep import run as sweep
+
+        return sweep.main(argv[1:])
+    p = argparse.ArgumentParser(description="torch_xaccel side-by-side benchmarks (and `sweep`: see sweep --help)")
     p.add_argument("suite", choices=sorted(SUITES))
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--quick", action="store_true", help="smaller shapes")
