@@ -171,7 +171,13 @@ def backward_candidates(DK: int, DV: int, itemsize: int = 2, kept: bool = False)
     (245760 B: q and k [L, DQK] beside v and dh); chunks of 32 and 16 fit the single kernel, but
     cannot read kept chunk-64 states. So at DQK 512 with kept states SPLIT3 alone (DVS 128 first,
     both at chunk 64), without them (a padded head, whose states are not kept) the chunk-32 kernel
-    first, then chunk 16 and SPLIT3, the tuner choosing. fp32 from DQK 256: FP32_BACKWARD."""
+    first, then chunk 16 and SPLIT3, the tuner choosing. fp32 from DQK 256: FP32_BACKWARD. fp32
+    below: the single per-chunk kernel first (the default), then SPLIT2 and SPLIT3. They fit sm_90
+    at DQK 128 (H100, Triton 3.6: mlstm_bwd_ds 229376 B of shared memory with 3xTF32 dots, 180224
+    B with TF32; mlstm_bwd_dqdk 163840 / 196608 B) and SPLIT2 is the fastest there with 3xTF32
+    dots (0.88 ms against the single kernel's 1.04 at B4 NH8 S1024), the single kernel with TF32
+    dots (0.54 against 0.77). The BV 64 / DVS 64 config at 8 warps asks 245760 B with TF32 dots
+    (over the limit; 3xTF32 fits): the tuner skips it there."""
     if itemsize > 2 and DK >= 256:
         return fitted(FP32_BACKWARD[min(DK, WIDE_DK)], DK, DV)
     if DK >= WIDE_DK:
@@ -180,9 +186,12 @@ def backward_candidates(DK: int, DV: int, itemsize: int = 2, kept: bool = False)
             return fitted(split, DK, DV)
         base = dict(L=32, BV=64, BK=64, BVS=128, warps=8, stages=2)
         return fitted([base, dict(base, L=16, warps=4)] + split, DK, DV)
-    split = [SPLIT2, SPLIT3, dict(SPLIT3, DVS=128)] if itemsize <= 2 and DK >= SPLIT_MIN_DK else []
+    split = [SPLIT2, SPLIT3, dict(SPLIT3, DVS=128)] if DK >= SPLIT_MIN_DK else []
     base = dict(L=64, BV=32, BK=64, BVS=128, warps=8, stages=2)
-    return fitted(split + [base, dict(base, warps=4), dict(base, BV=64, DVS=64)], DK, DV)
+    original = [base, dict(base, warps=4), dict(base, BV=64, DVS=64)]
+    if itemsize > 2:  # fp32 (DQK 64-128): the original kernel stays the default, the split ones follow
+        return fitted(original + split, DK, DV)
+    return fitted(split + original, DK, DV)
 
 
 def forward_config(DK: int, DV: int, itemsize: int = 2) -> dict | None:

@@ -20,7 +20,7 @@ from torch_xaccel.ops.mlstm import chunk_states_shapes, gradient_like, h_like
 from torch_xaccel.ops.mlstm.reference_backward import route_max_grads
 from torch_xaccel.runtime import interpreting
 
-from .. import cache, tuning
+from .. import cache, precision as fp32_dots, tuning
 from ..limits import INT32_LIMIT, reach
 from ..render import Templates
 from ..triton_launch import LaunchCache
@@ -30,12 +30,13 @@ TEMPLATES = Templates(Path(__file__).parent / "templates")
 _KERNELS: dict = {}
 
 
-def _render(template: str, dtype: torch.dtype, s_constexpr: bool, **extra) -> tuple[str, str]:
+def _render(template: str, dtype: torch.dtype, s_constexpr: bool, precision: str | None = None,
+            **extra) -> tuple[str, str]:
     """(kernel name, source) of one mLSTM template for the dot dtype. s_constexpr: sequence length
     and chunk count as compile-time constants, for Triton 3.6's interpreter (it cannot loop to a
-    run-time bound under NumPy 2)."""
-    tf32 = dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not interpreting()
-    precision = "tf32" if tf32 else "ieee"
+    run-time bound under NumPy 2). precision: the dots' input_precision (default: what torch's
+    float32 matmul setting allows now, precision.dot_precision); part of the name."""
+    precision = precision or fp32_dots.dot_precision(dtype)
     key = f"{template}|{dtype}|{precision}|{s_constexpr}|{sorted(extra.items())}"
     name = template.split(".")[0] + "_" + hashlib.sha256(key.encode()).hexdigest()[:12]
     masks = _mask_text(bool(extra.get("pad_k")), bool(extra.get("pad_v")))
@@ -60,9 +61,11 @@ def _mask_text(pad_k: bool, pad_v: bool) -> dict:
 
 
 def _kernel(template: str, dtype: torch.dtype, **extra):
-    key = (template, dtype, interpreting(), tuple(sorted(extra.items())))
+    """The kernel of one template and variant at the dots' precision in force now."""
+    precision = fp32_dots.dot_precision(dtype)
+    key = (template, dtype, precision, interpreting(), tuple(sorted(extra.items())))
     if key not in _KERNELS:
-        name, src = _render(template, dtype, interpreting(), **extra)
+        name, src = _render(template, dtype, interpreting(), precision, **extra)
         _KERNELS[key] = getattr(cache.load_source(name, src), name)
     return _KERNELS[key]
 
@@ -111,9 +114,7 @@ def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch, kept: bool = Fa
         config, candidates = configs.at_chunk(config, chunk), configs.at_chunk(candidates, chunk)
     if interpreting() or q.device.type != "cuda" or not settings.current().tune:
         return config(DK, DV, size)
-    parts = (f"mlstm_{phase}{'|kept' if kept else ''}{chunk or ''}|{q.dtype}|DK{q.shape[-1]}|DV{v.shape[-1]}|"
-             f"S~{1 << (S - 1).bit_length()}|BH~{1 << (B * H - 1).bit_length()}")
-    key = tuning.key("mlstm", parts, q.device, TEMPLATES.digest)
+    key = _tuning_key(phase, q, v, kept, chunk)
     if key in _CHOSEN:
         return _CHOSEN[key].config
     default, cands = config(DK, DV, size), candidates(DK, DV, size)  # only on a memo miss
@@ -124,6 +125,17 @@ def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch, kept: bool = Fa
         return {"config": _fastest(label, default, cands, launch, timings), "timings": timings}
     return tuning.decide(key, untimed=default, valid=lambda e: isinstance(e, dict) and e.get("config") in cands,
                          tune=tune, memo=_CHOSEN).config
+
+
+def _tuning_key(phase: str, q: torch.Tensor, v: torch.Tensor, kept: bool = False, chunk: int | None = None) -> str:
+    """The tuning key of a phase's shape class: dtype, head dims, S and B*H to the next power of
+    two; for fp32 also the dots' precision (a decision at TF32 does not hold at 3xTF32; the
+    16-bit keys are as before)."""
+    B, H, S = q.shape[:3]
+    dots = f"|{fp32_dots.dot_precision(q.dtype)}" if q.dtype == torch.float32 else ""
+    parts = (f"mlstm_{phase}{'|kept' if kept else ''}{chunk or ''}|{q.dtype}{dots}|DK{q.shape[-1]}|DV{v.shape[-1]}|"
+             f"S~{1 << (S - 1).bit_length()}|BH~{1 << (B * H - 1).bit_length()}")
+    return tuning.key("mlstm", parts, q.device, TEMPLATES.digest)
 
 
 def _fastest(label: str, default: dict, cands: list[dict], launch, timings: list) -> dict:

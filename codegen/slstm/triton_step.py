@@ -13,7 +13,7 @@ import torch
 from torch_xaccel import runtime
 from torch_xaccel.runtime import interpreting
 
-from .. import cache, tuning
+from .. import cache, precision as fp32_dots, tuning
 from ..limits import INT32_LIMIT, SHARED_LIMIT, reach
 from ..render import Templates
 from ..triton_launch import LaunchCache
@@ -30,25 +30,30 @@ def _tl(dtype: torch.dtype) -> str:
     return "tl." + str(dtype).removeprefix("torch.")
 
 
-def render(fresh: str, clamp_gates: bool, clamp_n: bool, wx_dtype: torch.dtype, dot_dtype: torch.dtype
-           ) -> tuple[str, str]:
-    """(kernel name, source) of the step for one variant. fp32 dots run in IEEE fp32 (no TF32),
-    so an fp32 step matches the reference to rounding."""
+def render(fresh: str, clamp_gates: bool, clamp_n: bool, wx_dtype: torch.dtype, dot_dtype: torch.dtype,
+           precision: str | None = None) -> tuple[str, str]:
+    """(kernel name, source) of the step for one variant. fp32 dots run at the precision torch's
+    float32 matmul setting allows (codegen/precision.py; `precision` overrides it): at
+    "highest" 3xTF32, which matches the reference to about fp32 rounding, at "high" TF32. The
+    precision is part of the name (16-bit dots: none, the names as before)."""
     values = dict(fresh=fresh, clamp_gates=clamp_gates, clamp_n=clamp_n, wx_dtype=str(wx_dtype),
                   dot_dtype=str(dot_dtype))
+    if dot_dtype == torch.float32:
+        values["precision"] = precision or fp32_dots.dot_precision(dot_dtype)
     tag = hashlib.sha256(repr(sorted(values.items())).encode() + TEMPLATES.digest.encode()).hexdigest()[:12]
     name = f"slstm_step_{tag}"
-    precision = ', input_precision="ieee"' if dot_dtype == torch.float32 else ""
+    dots = f', input_precision="{values["precision"]}"' if dot_dtype == torch.float32 else ""
     src = TEMPLATES.render("slstm_step.py.jinja", kernel_name=name, wx=_tl(wx_dtype), dot=_tl(dot_dtype),
-                           precision=precision, **values)
+                           **dict(values, precision=dots))
     return name, src
 
 
 def _kernel(fresh: str, clamp_gates: bool, clamp_n: bool, wx_dtype: torch.dtype, dot_dtype: torch.dtype):
-    key = (fresh, clamp_gates, clamp_n, wx_dtype, dot_dtype, interpreting())
+    precision = fp32_dots.dot_precision(dot_dtype)
+    key = (fresh, clamp_gates, clamp_n, wx_dtype, dot_dtype, precision, interpreting())
     kernel = _KERNELS.get(key)
     if kernel is None:
-        name, src = render(fresh, clamp_gates, clamp_n, wx_dtype, dot_dtype)
+        name, src = render(fresh, clamp_gates, clamp_n, wx_dtype, dot_dtype, precision)
         kernel = _KERNELS[key] = getattr(cache.load_source(name, src), name)
     return kernel
 
@@ -137,15 +142,18 @@ def _config(key, Wx, R, run) -> dict:
     """The configuration for this case: the fixed one under the interpreter, else the tuned one
     (remembered per case key, so a decode step pays one dict lookup)."""
     B, _, NH, D = Wx.shape
-    memo = (key, Wx.dtype, R.dtype, Wx.device, B, NH, D)
+    dots = dot_dtype(Wx, R)
+    # fp32 dots: their precision too (a decision at TF32 does not hold at 3xTF32; 16-bit keys unchanged)
+    precision = f"|{fp32_dots.dot_precision(dots)}" if dots == torch.float32 else ""
+    memo = (key, Wx.dtype, R.dtype, Wx.device, B, NH, D, precision)
     cfg = _CHOSEN.get(memo)
     if cfg is not None:
         return cfg
     if interpreting() or Wx.device.type != "cuda":
         cfg = INTERPRETER_CONFIG
     else:
-        cands, untimed = candidates(B, D, dot_dtype(Wx, R).itemsize), default(B, D)
-        parts = f"step|{Wx.dtype}|R{R.dtype}|NH{NH}|D{D}|B~{_pow2(B)}"
+        cands, untimed = candidates(B, D, dots.itemsize), default(B, D)
+        parts = f"step|{Wx.dtype}|R{R.dtype}{precision}|NH{NH}|D{D}|B~{_pow2(B)}"
         tkey = tuning.key("slstm", parts, Wx.device, TEMPLATES.digest)
 
         def tune():

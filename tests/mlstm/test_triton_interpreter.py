@@ -259,7 +259,8 @@ def test_candidates_fit_shared_memory_per_dtype():
 
 def test_backward_candidate_rules():
     """The split backward (SPLIT2, the bf16 default, and SPLIT3): tiles that divide the head dims;
-    not offered below DQK 64 nor in fp32 (not timed there); at DQK 512 (SPLIT3 only: SPLIT2 exceeds
+    not offered below DQK 64; in fp32 only at DQK 64-128, after the single per-chunk kernel, which
+    stays the default (the split kernels were timed in fp32 at 128/128 only); at DQK 512 (SPLIT3 only: SPLIT2 exceeds
     shared memory there) reading kept states the only candidates, all at chunk 64 (the forward's
     kept states); at DQK 512 without them (a padded head) timed after the single per-chunk kernel
     at chunk 32, the one that fits there."""
@@ -279,7 +280,9 @@ def test_backward_candidate_rules():
                 for c in mlstm_configs.backward_candidates(DK, DV, size):
                     assert not c.get("DKS") or DK % c["DKS"] == 0, c
                     assert not c.get("DVS") or DV % c["DVS"] == 0, c
-                    assert not (c.get("DKS") and size > 2), (DK, DV, size, c)
+                    assert not (c.get("DKS") and size > 2 and DK > 128), (DK, DV, size, c)
+                if size > 2:  # fp32: the single per-chunk kernel stays the default
+                    assert not mlstm_configs.backward_candidates(DK, DV, size)[0].get("DKS"), (DK, DV)
     assert any(c.get("DKS") and not c.get("DVS") for c in mlstm_configs.backward_candidates(128, 128))  # SPLIT2
     # below DQK 64 no split dq/dk kernel (Triton 3.6 miscompiles it there: configs.SPLIT_MIN_DK)
     assert not any(c.get("DKS") for DK in (16, 32) for DV in (32, 64, 128) for kept in (False, True)

@@ -6,7 +6,7 @@ not fill a tile, the head shapes the issue names (small batches for the large he
 dims (masked tiles), strided Wx, mixed input and state dtypes, the batch fresh rule decided on
 the device when only another batch tile holds a non-zero n, every candidate configuration's tiles,
 and the op dispatching to the kernel. On the GPU (@gpu): bf16 / fp16 against the fp32 reference
-within 1e-2, fp32 within 1e-5 (IEEE fp32 dots), every tuning candidate, tuning itself, and a
+within 1e-2, fp32 within 1e-5 (3xTF32 dots at torch's default "highest"), every tuning candidate, tuning itself, and a
 CUDA-graph capture replayed on new inputs."""
 import textwrap
 
