@@ -462,3 +462,44 @@ def test_same_outputs_tells_a_miswired_graph():
     wrong = torch.fx.symbolic_trace(lambda x, y: y * 2 + x)
     args = [torch.randn(8), torch.randn(8)]
     assert choice.same_outputs(gm, gm, args) and not choice.same_outputs(gm, wrong, args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_regions_and_graph_choice_for_real(xaccel_env, tmp_path, dtype):
+    """On CUDA, nothing stubbed: the regions measured against their originals under Inductor
+    (built apart from Dynamo's compile, its backward compiled at the first backward), the graph's
+    candidates at its first train step; the step computes what eager does."""
+    xaccel_env(XACCEL_CHOOSE="1", XACCEL_CACHE_DIR=str(tmp_path))
+    torch.manual_seed(0)
+    model = TwoRegions(d=64).cuda().to(dtype)
+    x = torch.randn(2, 128, 64, device="cuda", dtype=dtype)
+    compiled = torch.compile(model, backend="xaccel")
+    out, grads = _train_step(compiled, x)
+    ref, ref_grads = _train_step(model, x)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(out, ref, **tol)
+    for g, r in zip(grads, ref_grads):
+        assert (g.float() - r.float()).norm() <= 0.05 * r.float().norm() + 1e-3
+    graph = last_report().graphs[0]
+    assert len(graph.region_choices) == 3
+    assert all("written (inductor) " in line and " ms" in line for line in graph.region_choices), graph.region_choices
+    assert graph.chosen and "[measured, train step:" in graph.choice
+
+
+def test_a_region_as_written_is_the_whole_code_it_replaced(choosing, monkeypatch):
+    """The mLSTM region's original side holds the parallel form from the gates to h (a value its
+    own replacement holds is computed there, not taken as an input)."""
+    seen = []
+
+    def measure_region(sides, values, rests, training, device):
+        seen.append((sides.replaced.code, sides.written.code, len(sides.written_inputs)))
+        return {"config": {r: choice.KEEP for r in rests}, "timings": [], "mode": "fixed"}
+    monkeypatch.setattr(choice, "_measure_region", measure_region)
+    _fixed_times(monkeypatch, {n: 1.0 for n in NAMES})
+    model, x = TwoRegions(), torch.randn(2, 24, 32)
+    _check_against_eager(torch.compile(model, backend="xaccel"), model, x)
+    (replaced, written, n_inputs), = [s for s in seen if "xaccel.mlstm" in s[0]]
+    for op in ("log_sigmoid", "cumsum", "exp", "amax" if "amax" in written else "max", "matmul"):
+        assert op in written, op
+    assert "xaccel" not in written and n_inputs <= 6  # q, k, v, i, f (and a constant at most)

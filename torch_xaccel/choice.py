@@ -23,7 +23,6 @@ import contextlib
 import functools
 import hashlib
 import math
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,7 +206,7 @@ def runner(fn: Callable, args: list, training: bool) -> Callable[[], None]:
 
 @dataclass
 class Measurement:
-    ms: dict = field(default_factory=dict)  # name -> median ms per call
+    ms: dict = field(default_factory=dict)  # name -> ms per call (its best round)
     errors: dict = field(default_factory=dict)  # name -> why it was not timed
 
 
@@ -220,9 +219,9 @@ def measure(cands: dict[str, Callable], args, training: bool, device: torch.devi
 
 def measure_runs(runs: dict[str, Callable[[], None]], device: torch.device, clock=time.perf_counter) -> Measurement:
     """Interleaved rounds of each run (two warm-up calls first: the lazy parts of a build, a
-    backward compile or a kernel's tuning, run there). A run that raises is dropped with its
-    error. Wall time per call, the GPU synchronized around each round: what a plain call costs,
-    host and GPU together."""
+    backward compile or a kernel's tuning, run there); each run's time is its best round's. A run
+    that raises is dropped with its error. Wall time per call, the GPU synchronized around each
+    round: what a plain call costs, host and GPU together."""
     from torch_xaccel.codegen.tuning import Progress
 
     result = Measurement()
@@ -259,7 +258,8 @@ def measure_runs(runs: dict[str, Callable[[], None]], device: torch.device, cloc
                 del live[name]
         rounds += 1
     progress.close()
-    result.ms = {name: statistics.median(samples[name]) for name in live if samples[name]}
+    # the best round: interference (another process, a compile pool starting) only adds time
+    result.ms = {name: min(samples[name]) for name in live if samples[name]}
     return result
 
 

@@ -227,7 +227,9 @@ class Diff:
         new_inputs = list(dict.fromkeys(a for n in region.new for a in n.all_input_nodes if a not in inside))
         if any(a not in self.survivor_ids and a not in self.equiv for a in new_inputs):
             return None
-        held = set(self.equiv.values())
+        # a value another region's replacement holds is an input here (the boundary between them);
+        # one this region's own nodes hold is computed here, as written
+        held_outside = {i for n, i in self.equiv.items() if n not in inside}
         order = {n: i for i, n in enumerate(self.original.graph.nodes)}
         erased, old_inputs, todo = set(), {}, [orig for _, _, orig in values]
         while todo:
@@ -235,7 +237,7 @@ class Diff:
             if n in erased or n in old_inputs:
                 continue
             i = n.meta.get(ORIGIN)
-            if i in self.survivor or (i in held and n not in {orig for _, _, orig in values}):
+            if i in self.survivor or i in held_outside:
                 old_inputs[n] = None
             elif n.op in ("placeholder", "output"):
                 return None

@@ -360,6 +360,7 @@ def run_row(row: dict, write) -> dict:
         rep = last_report()  # the choice text may be filled in after the first call
         res["choice"] = [str(getattr(g, "choice", "") or "") for g in rep.graphs]
         res["chosen"] = [str(getattr(g, "chosen", "") or "") for g in rep.graphs]
+        res["region_choices"] = [line for g in rep.graphs for line in getattr(g, "region_choices", [])]
         graphs_after = len(rep.graphs)
         if graphs_after != res.get("graphs"):
             res["recompiled"] = f"xaccel graphs {res.get('graphs')} after the first call, {graphs_after} after timing"
