@@ -503,3 +503,16 @@ def test_a_region_as_written_is_the_whole_code_it_replaced(choosing, monkeypatch
     for op in ("log_sigmoid", "cumsum", "exp", "amax" if "amax" in written else "max", "matmul"):
         assert op in written, op
     assert "xaccel" not in written and n_inputs <= 6  # q, k, v, i, f (and a constant at most)
+
+
+def test_every_region_put_back_keeps_xaccel_candidates_where_the_capture_holds_xaccel_ops(choosing, monkeypatch):
+    """A library call substituted while Dynamo traced (the xlstm package's mLSTM, sLSTM) is an
+    xaccel op in the captured graph itself: with every region put back the xaccel candidates still
+    differ from the captured graph's own and stay candidates."""
+    _region_outcome(monkeypatch, put_back=lambda code: True)
+    calls = []
+    _fixed_times(monkeypatch, {n: 1.0 for n in NAMES}, calls)
+    monkeypatch.setattr(backend, "_holds_xaccel_ops", lambda gm: True)
+    model, x = TwoRegions(), torch.randn(2, 24, 32)
+    _check_against_eager(torch.compile(model, backend="xaccel"), model, x)
+    assert calls == [sorted(NAMES)]

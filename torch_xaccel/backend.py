@@ -249,7 +249,8 @@ def _candidates(gm, graphs: dict, example_inputs, cfg, patches, report, training
 def _region_graphs(diff, example_inputs, training, rests, written, settings, report) -> dict:
     """rest -> the lowered graph with the regions that measured slower than their original beside
     that rest put back (regions.py, choice.choose_regions); a rest whose every region lost gets no
-    xaccel candidate (the captured graph's candidates cover it). Not measured where the graph
+    xaccel candidate (the captured graph's candidates cover it), unless the captured graph itself
+    calls xaccel ops. Not measured where the graph
     writes its inputs (running it at compile time would write them). A graph with regions put back
     must compute what the lowered one does on the example inputs (a check of the rewiring, not of
     numerics), else the lowered graph stays."""
@@ -263,7 +264,7 @@ def _region_graphs(diff, example_inputs, training, rests, written, settings, rep
     for rest in rests:
         if not revert[rest]:
             graphs[rest] = diff.lowered
-        elif len(revert[rest]) < len(diff.regions):
+        elif len(revert[rest]) < len(diff.regions) or _holds_xaccel_ops(diff.original):
             reverted = diff.revert(revert[rest])
             ok = reverted is not None and choice.same_outputs(reverted, diff.lowered, example_inputs)
             graphs[rest] = reverted if ok else diff.lowered
@@ -271,6 +272,13 @@ def _region_graphs(diff, example_inputs, training, rests, written, settings, rep
                 report.region_choices.append(f"beside the {rest} rest: kept every region (putting back "
                                              f"{len(revert[rest])} did not rewire cleanly)")
     return graphs
+
+
+def _holds_xaccel_ops(gm: torch.fx.GraphModule) -> bool:
+    """Whether a graph calls xaccel ops before any pass ran (library calls substituted while Dynamo
+    traced): with every region put back, its xaccel candidates still differ from the captured
+    graph's."""
+    return any(n.op == "call_function" and str(n.target).startswith("xaccel.") for n in gm.graph.nodes)
 
 
 def _run_unchosen(gm, lowered, example_inputs, cfg, patches, report, training):

@@ -1,21 +1,27 @@
-"""The measured choice: each compiled graph runs as the fastest of its candidates, measured.
+"""The measured choice: each replaced region, then each compiled graph, runs as whatever measures
+fastest.
 
 Users try `torch.compile(model)` first; this backend must never be slower than that, or than not
-compiling. So a graph with replacements compiles to several candidates:
+compiling.
 
-- `xaccel (eager rest)`: the replacements, the rest of the graph run eagerly;
-- `xaccel (inductor rest)`: the replacements, the rest through Inductor;
+Per region, at compile time (`choose_regions`): each kind of replaced region (regions.py) runs on
+the values it reads in the graph's example call, as replaced and as written, eagerly and under
+Inductor; where the original is faster beside a rest, it is put back for that rest.
+
+Per graph, at its first call (`Chooser`), the candidates:
+- `xaccel (eager rest)`: the remaining replacements, the rest of the graph run eagerly;
+- `xaccel (inductor rest)`: the remaining replacements, the rest through Inductor;
 - `inductor`: the captured graph through Inductor, with torch.compile's mode and options;
 - `eager`: the captured graph as it is.
+Each runs on that call's inputs (copies of those the graph writes), as the call runs: the forward,
+or in training the forward and the backward. Interleaved rounds time them; the fastest runs from
+then on.
 
-At the graph's first call each candidate runs on that call's inputs (copies of those that are not
-parameters, so a graph that writes its inputs changes nothing twice), as the call runs: the
-forward, or in training the forward and the backward. Interleaved rounds time them; the fastest
-runs from then on. The decision is stored with the kernel tunings (`codegen/tuning.decide`: the
-same key discipline, lock, interpreter and XACCEL_TUNE rules); a later process with the same
-graph, inputs, settings, machine and package code builds only the stored winner. A candidate that
-fails to build or run is dropped, with its error in the report; when the measurement itself fails,
-the captured graph runs under Inductor (else eagerly).
+Decisions are stored with the kernel tunings (`codegen/tuning.decide`: the same key discipline,
+lock, interpreter and XACCEL_TUNE rules); a later process with the same graph, inputs, settings,
+machine and package code builds only the stored winner. A candidate that fails to build or run is
+dropped, with its error in the report; a failed measurement puts a region back, and runs a graph
+under Inductor (else eagerly).
 """
 from __future__ import annotations
 
@@ -36,11 +42,6 @@ ANCHORS = (INDUCTOR, EAGER)
 ROUNDS_MIN, ROUNDS_MAX = 5, 60  # timed rounds per candidate
 MEASURE_S = 1.0  # time spent in timed rounds, at least ROUNDS_MIN of them
 ROUND_MS = 1.0  # calls per round: enough that a round takes about this long (timer noise)
-
-
-def rest_of(name: str) -> str:
-    """The backend that runs the rest of the graph in an xaccel candidate."""
-    return {XACCEL_EAGER: "eager", XACCEL_INDUCTOR: "inductor"}[name]
 
 
 def xaccel_candidate(rest: str) -> str:
