@@ -516,3 +516,31 @@ def test_every_region_put_back_keeps_xaccel_candidates_where_the_capture_holds_x
     model, x = TwoRegions(), torch.randn(2, 24, 32)
     _check_against_eager(torch.compile(model, backend="xaccel"), model, x)
     assert calls == [sorted(NAMES)]
+
+
+def test_a_candidate_with_a_wrong_answer_is_dropped(choosing, monkeypatch):
+    """A compiler's wrong answer (here Inductor's stand-in doubles the output; NaN gradients seen
+    from Inductor on some forms) is not a candidate, however fast."""
+    real = backend._compile_rest
+
+    def compile_rest(gm, example_inputs, fallback, patches, *args, **kwargs):
+        fn = real(gm, example_inputs, "eager", patches, *args, **kwargs)
+        replaced = any(str(n.target).startswith("xaccel.") for n in gm.graph.nodes)
+        if fallback == "inductor" and not replaced:
+            return lambda *a: [t * 2 for t in fn(*a)]
+        return fn
+    monkeypatch.setattr(backend, "_compile_rest", compile_rest)
+    model, x = Block(), torch.randn(16, 32)
+    compiled = torch.compile(model, backend="xaccel")
+    _check_against_eager(compiled, model, x)
+    graph = last_report().graphs[0]
+    assert graph.chosen != choice.INDUCTOR and "inductor (disagrees with eager: output or gradient 0" in graph.choice
+
+
+def test_disagreement_names_non_finite_and_far_values():
+    want = choice.summary([torch.ones(4), torch.ones(3)])
+    assert choice.disagreement(choice.summary([torch.ones(4), torch.ones(3) * 1.01]), want) == ""
+    nan = torch.tensor([1.0, float("nan"), 1])
+    assert "not finite" in choice.disagreement(choice.summary([torch.ones(4), nan]), want)
+    assert "norm" in choice.disagreement(choice.summary([torch.ones(4) * 2, torch.ones(3)]), want)
+    assert "outputs and gradients" in choice.disagreement(choice.summary([torch.ones(4)]), want)

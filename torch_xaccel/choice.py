@@ -185,24 +185,48 @@ def measurement_inputs(args, written: set[int] | None) -> list:
     return [a.detach().clone() if copy(i, a) else a for i, a in enumerate(args)]
 
 
-def runner(fn: Callable, args: list, training: bool) -> Callable[[], None]:
+def runner(fn: Callable, args: list, training: bool) -> Callable[[], list]:
     """One call as the user's call runs: the forward; in training also the backward of every
-    output that requires grad, with respect to the inputs that require grad."""
+    output that requires grad, with respect to the inputs that require grad. Returns the floating
+    outputs and gradients (for `summary`)."""
     wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     grads: dict = {}
 
-    def call() -> None:
-        out = fn(*args)
-        if not training or not wrt:
-            return
-        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.grad_fn is not None
-                and o.dtype.is_floating_point]
-        if not outs:
-            return
+    def call() -> list:
+        leaves = [o for o in pytree.tree_leaves(fn(*args)) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        outs = [o for o in leaves if o.grad_fn is not None]
+        if not training or not wrt or not outs:
+            return leaves
         if "g" not in grads:  # one fixed set of output gradients, as a loss would send
             grads["g"] = [torch.randn_like(o) / math.sqrt(max(o.numel(), 1)) for o in outs]
-        torch.autograd.grad(outs, wrt, grads["g"], allow_unused=True)
+        got = torch.autograd.grad(outs, wrt, grads["g"], allow_unused=True)
+        return leaves + [g for g in got if g is not None]
     return call
+
+
+def summary(values: list) -> list:
+    """Per tensor (finite everywhere, norm): what a candidate's outputs and gradients are compared
+    by, without keeping them."""
+    out = []
+    for v in values:
+        v = v.detach().double()
+        finite = bool(v.isfinite().all())
+        out.append((finite, float(v.nan_to_num().norm())))
+    return out
+
+
+def disagreement(got: list, want: list) -> str:
+    """Why a candidate's summary is not the reference's, or "": a different count, a value not
+    finite where the reference's is, or a norm off by more than 5% (the candidates round
+    differently; a wrong one is off by far more)."""
+    if len(got) != len(want):
+        return f"{len(got)} outputs and gradients against {len(want)}"
+    for k, ((fin, norm), (want_fin, want_norm)) in enumerate(zip(got, want)):
+        if want_fin and not fin:
+            return f"output or gradient {k} is not finite where the captured graph's is"
+        if want_fin and abs(norm - want_norm) > 0.05 * want_norm + 1e-6:
+            return f"output or gradient {k}: norm {norm:.4g} against {want_norm:.4g}"
+    return ""
 
 
 @dataclass
@@ -215,23 +239,36 @@ def measure(cands: dict[str, Callable], args, training: bool, device: torch.devi
             written: set[int] | None = None, clock=time.perf_counter) -> Measurement:
     """The candidates on copies of `args` (measurement_inputs), as the call runs (runner)."""
     inputs = measurement_inputs(args, written)
-    return measure_runs({name: runner(fn, inputs, training) for name, fn in cands.items()}, device, clock)
+    return measure_runs({name: runner(fn, inputs, training) for name, fn in cands.items()}, device, clock,
+                        reference=EAGER)
 
 
-def measure_runs(runs: dict[str, Callable[[], None]], device: torch.device, clock=time.perf_counter) -> Measurement:
+def measure_runs(runs: dict[str, Callable[[], list]], device: torch.device, clock=time.perf_counter,
+                 reference: str | None = None) -> Measurement:
     """Interleaved rounds of each run (two warm-up calls first: the lazy parts of a build, a
     backward compile or a kernel's tuning, run there); each run's time is its best round's. A run
-    that raises is dropped with its error. Wall time per call, the GPU synchronized around each
-    round: what a plain call costs, host and GPU together."""
+    that raises, or whose first outputs and gradients disagree with the `reference` run's
+    (`disagreement`: a compiler's wrong answer is not a candidate), is dropped with its error. Wall
+    time per call, the GPU synchronized around each round: what a plain call costs, host and GPU
+    together."""
     from torch_xaccel.codegen.tuning import Progress
 
     result = Measurement()
     live, per_call = {}, {}
     progress = Progress("measuring candidates", len(runs))
-    for n, (name, run) in enumerate(runs.items()):
+    order = sorted(runs, key=lambda name: name != reference)  # the reference first
+    want = None
+    for n, name in enumerate(order):
+        run = runs[name]
         try:
-            run()
+            got = summary(run())
             _sync(device)
+            if name == reference:
+                want = got
+            elif want is not None and (why := disagreement(got, want)):
+                result.errors[name] = f"disagrees with {reference}: {why}"
+                progress.step(n + 1)
+                continue
             t0 = clock()
             run()
             _sync(device)
@@ -406,7 +443,7 @@ def _measure_region(sides, values: dict, rests: list, training: bool, device: to
             runs["written (inductor)"] = runner(compiled, written_in, training)
         except Exception as e:  # noqa: BLE001 - not built: the replacement stays
             errors["written (inductor)"] = f"build failed: {type(e).__name__}: {str(e)[:160]}"
-    m = measure_runs(runs, device)
+    m = measure_runs(runs, device, reference="written (eager)" if "eager" in rests else None)
     m.errors.update(errors)
     config = {}
     for rest in rests:
