@@ -53,6 +53,18 @@ def _region_outcome(monkeypatch, put_back=lambda code: False, calls: list | None
     monkeypatch.setattr(choice, "_measure_region", measure_region)
 
 
+def _candidate_rewritten(monkeypatch, rest: str, replaced: bool, rewrite):
+    """The candidate built under `rest` from a graph with (replaced) or without xaccel ops gets
+    rewrite(its compiled function) (the eager rest stands in for Inductor)."""
+    real = backend._compile_rest
+
+    def compile_rest(gm, example_inputs, fallback, patches, *args, **kwargs):
+        fn = real(gm, example_inputs, "eager", patches, *args, **kwargs)
+        has_ops = any(str(n.target).startswith("xaccel.") for n in gm.graph.nodes)
+        return rewrite(fn) if fallback == rest and has_ops == replaced else fn
+    monkeypatch.setattr(backend, "_compile_rest", compile_rest)
+
+
 @pytest.fixture
 def choosing(xaccel_env, tmp_path, monkeypatch):
     xaccel_env(XACCEL_CHOOSE="1", XACCEL_CACHE_DIR=str(tmp_path))
@@ -133,17 +145,11 @@ def test_a_measurement_that_fails_runs_the_captured_graph_under_inductor(choosin
 
 def test_a_candidate_that_fails_is_dropped_with_its_error(choosing, monkeypatch):
     """Real timing; the eager-rest candidate raises at its first call."""
-    real = backend._compile_rest
-
-    def compile_rest(gm, example_inputs, fallback, patches, *args, **kwargs):
-        fn = real(gm, example_inputs, "eager", patches, *args, **kwargs)
-        replaced = any(str(n.target).startswith("xaccel.") for n in gm.graph.nodes)
-        if fallback == "eager" and replaced:
-            def broken(*a):
-                raise RuntimeError("kernel exploded")
-            return broken
-        return fn
-    monkeypatch.setattr(backend, "_compile_rest", compile_rest)
+    def broken(fn):
+        def call(*a):
+            raise RuntimeError("kernel exploded")
+        return call
+    _candidate_rewritten(monkeypatch, "eager", True, broken)
     model, x = Block(), torch.randn(16, 32)
     compiled = torch.compile(model, backend="xaccel")
     _check_against_eager(compiled, model, x)
@@ -521,15 +527,7 @@ def test_every_region_put_back_keeps_xaccel_candidates_where_the_capture_holds_x
 def test_a_candidate_with_a_wrong_answer_is_dropped(choosing, monkeypatch):
     """A compiler's wrong answer (here Inductor's stand-in doubles the output; NaN gradients seen
     from Inductor on some forms) is not a candidate, however fast."""
-    real = backend._compile_rest
-
-    def compile_rest(gm, example_inputs, fallback, patches, *args, **kwargs):
-        fn = real(gm, example_inputs, "eager", patches, *args, **kwargs)
-        replaced = any(str(n.target).startswith("xaccel.") for n in gm.graph.nodes)
-        if fallback == "inductor" and not replaced:
-            return lambda *a: [t * 2 for t in fn(*a)]
-        return fn
-    monkeypatch.setattr(backend, "_compile_rest", compile_rest)
+    _candidate_rewritten(monkeypatch, "inductor", False, lambda fn: lambda *a: [t * 2 for t in fn(*a)])
     model, x = Block(), torch.randn(16, 32)
     compiled = torch.compile(model, backend="xaccel")
     _check_against_eager(compiled, model, x)
