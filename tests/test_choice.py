@@ -542,3 +542,22 @@ def test_disagreement_names_non_finite_and_far_values():
     assert "not finite" in choice.disagreement(choice.summary([torch.ones(4), nan]), want)
     assert "norm" in choice.disagreement(choice.summary([torch.ones(4) * 2, torch.ones(3)]), want)
     assert "outputs and gradients" in choice.disagreement(choice.summary([torch.ones(4)]), want)
+
+
+def test_every_candidate_gets_the_same_output_gradients():
+    """The candidates' gradients are compared: the output gradients a measurement sends must be
+    the same for each."""
+    w = torch.randn(8, 8, requires_grad=True)
+    runs = [choice.runner(lambda w: [w @ w], [w], training=True) for _ in range(2)]
+    first, second = (run() for run in runs)
+    torch.testing.assert_close(first[1], second[1])
+
+
+def test_a_train_step_times_every_candidate(choosing):
+    """Real measurement of a train step: every candidate agrees with eager and is timed."""
+    model, x = Block(), torch.randn(16, 32)
+    compiled = torch.compile(model, backend="xaccel")
+    _check_against_eager(compiled, model, x)
+    entry, = [json.loads(p.read_text())["value"] for p in _choice_entries(choosing)]
+    assert [name for name, ms, why in entry["timings"] if ms is None] == []
+    assert sorted(name for name, _, _ in entry["timings"]) == sorted(NAMES)

@@ -197,11 +197,20 @@ def runner(fn: Callable, args: list, training: bool) -> Callable[[], list]:
         outs = [o for o in leaves if o.grad_fn is not None]
         if not training or not wrt or not outs:
             return leaves
-        if "g" not in grads:  # one fixed set of output gradients, as a loss would send
-            grads["g"] = [torch.randn_like(o) / math.sqrt(max(o.numel(), 1)) for o in outs]
+        if "g" not in grads:  # one fixed set of output gradients, as a loss would send: the same
+            grads["g"] = [_fixed_randn(o, k) for k, o in enumerate(outs)]  # for every candidate
         got = torch.autograd.grad(outs, wrt, grads["g"], allow_unused=True)
         return leaves + [g for g in got if g is not None]
     return call
+
+
+def _fixed_randn(like: torch.Tensor, k: int) -> torch.Tensor:
+    """Random values of `like`'s shape, the same for every candidate (a seeded generator of their
+    own: the user's random-number state is not touched), scaled so that their sum of squares is 1."""
+    gen = torch.Generator(device=like.device)
+    gen.manual_seed(1000 + k)
+    noise = torch.randn(like.shape, generator=gen, device=like.device, dtype=torch.float32)
+    return (noise / math.sqrt(max(like.numel(), 1))).to(like.dtype)
 
 
 def summary(values: list) -> list:
