@@ -536,6 +536,9 @@ def test_a_candidate_with_a_wrong_answer_is_dropped(choosing, monkeypatch):
 
 
 def test_disagreement_names_non_finite_and_far_values():
+    half = choice.summary([torch.ones(4, dtype=torch.bfloat16)])
+    assert choice.disagreement(choice.summary([torch.ones(4, dtype=torch.bfloat16) * 1.2]), half) == ""
+    assert "norm" in choice.disagreement(choice.summary([torch.ones(4, dtype=torch.bfloat16) * 1.5]), half)
     want = choice.summary([torch.ones(4), torch.ones(3)])
     assert choice.disagreement(choice.summary([torch.ones(4), torch.ones(3) * 1.01]), want) == ""
     nan = torch.tensor([1.0, float("nan"), 1])

@@ -214,26 +214,26 @@ def _fixed_randn(like: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def summary(values: list) -> list:
-    """Per tensor (finite everywhere, norm): what a candidate's outputs and gradients are compared
-    by, without keeping them."""
+    """Per tensor (finite everywhere, norm, its dtype's tolerance): what a candidate's outputs and
+    gradients are compared by, without keeping them."""
     out = []
     for v in values:
+        tolerance = 0.05 if v.dtype in (torch.float32, torch.float64) else 0.25  # 16-bit: the reference is noisy too
         v = v.detach().double()
-        finite = bool(v.isfinite().all())
-        out.append((finite, float(v.nan_to_num().norm())))
+        out.append((bool(v.isfinite().all()), float(v.nan_to_num().norm()), tolerance))
     return out
 
 
 def disagreement(got: list, want: list) -> str:
     """Why a candidate's summary is not the reference's, or "": a different count, a value not
-    finite where the reference's is, or a norm off by more than 5% (the candidates round
-    differently; a wrong one is off by far more)."""
+    finite where the reference's is, or a norm off by more than the dtype's tolerance (5% in
+    fp32, 25% in 16 bits: the candidates round differently, a wrong one is off by far more)."""
     if len(got) != len(want):
         return f"{len(got)} outputs and gradients against {len(want)}"
-    for k, ((fin, norm), (want_fin, want_norm)) in enumerate(zip(got, want)):
+    for k, ((fin, norm, _), (want_fin, want_norm, tolerance)) in enumerate(zip(got, want)):
         if want_fin and not fin:
             return f"output or gradient {k} is not finite where the captured graph's is"
-        if want_fin and abs(norm - want_norm) > 0.05 * want_norm + 1e-6:
+        if want_fin and abs(norm - want_norm) > tolerance * want_norm + 1e-6:
             return f"output or gradient {k}: norm {norm:.4g} against {want_norm:.4g}"
     return ""
 
