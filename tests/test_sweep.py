@@ -134,7 +134,7 @@ def test_a_cpu_row_runs_end_to_end_in_its_own_process(tmp_path):
            "--out", str(tmp_path), "--env", "XACCEL_CHOOSE=0", "--time-budget", "0.05", "--min-rounds", "3"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stdout.strip().splitlines()[-1].startswith("worst xaccel / min(eager, inductor): ")
+    assert proc.stdout.strip().splitlines()[-1].startswith("worst xaccel / min(eager, inductor, where right): ")
     rows = [json.loads(ln) for ln in (tmp_path / "sweep.jsonl").read_text().splitlines()]
     assert len(rows) == 1
     r = rows[0]

@@ -1172,6 +1172,8 @@ def main(argv=None) -> int:
     except re.error as e:
         p.error(f"--paths {args.paths!r} is not a regular expression: {e}")
     PATHS = args.paths
+    # these suites measure the replacements themselves (sweep measures the default, the measured choice)
+    os.environ.setdefault("XACCEL_CHOOSE", "0")
     if args.suite == "gemm":  # CUTLASS kernels built before tuning, so every call is timed with them
         os.environ.setdefault("XACCEL_CUTLASS", "wait")
     smoke = not torch.cuda.is_available()
@@ -1189,7 +1191,7 @@ def main(argv=None) -> int:
               or "unknown")
     header = (f"{args.suite}: {time.strftime('%Y-%m-%d')}, {gpu}, torch {torch.__version__}, "
               f"triton {triton.__version__}, commit {commit}; bf16, median of triton.testing.do_bench; "
-              f"XACCEL_CUTLASS={os.environ.get('XACCEL_CUTLASS', '1')}")
+              f"XACCEL_CUTLASS={os.environ.get('XACCEL_CUTLASS', '1')}, XACCEL_CHOOSE={os.environ['XACCEL_CHOOSE']}")
     print(header)
     started = time.time()
     rows = []
