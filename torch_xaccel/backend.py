@@ -29,6 +29,7 @@ from . import (
     ops,  # noqa: F401  (registers torch.ops.xaccel.*)
     regions,
 )
+from .codegen import precision
 from .errors import XaccelFallbackWarning
 from .modes import CUDAGRAPHS, describe, rest_options, warn_inductor_only
 from .report import Fallback, new_graph_report, publish
@@ -205,19 +206,7 @@ def _choice_settings(cfg, patches: dict, training: bool) -> str:
     return "|".join(str(x) for x in (
         sorted(cfg.patterns), cfg.fallback, cfg.backward_fusion, cfg.leave_to_inductor, cfg.mlstm_keep_states,
         cfg.cutlass, training, torch.is_grad_enabled(), sorted((k, repr(v)) for k, v in patches.items()),
-        _fp32_matmul_setting()))
-
-
-def _fp32_matmul_setting() -> str:
-    """torch's float32 matmul setting, however it was set (torch 2.13 raises on the legacy reader
-    once a program used the new setter)."""
-    for read in (lambda: torch.backends.cuda.matmul.fp32_precision, torch.get_float32_matmul_precision,
-                 lambda: torch.backends.cuda.matmul.allow_tf32):
-        try:
-            return str(read())
-        except (AttributeError, RuntimeError):
-            continue
-    return "?"
+        precision.torch_allows_tf32()))
 
 
 def _xaccel_rests(cfg, choosing: bool) -> list[str]:

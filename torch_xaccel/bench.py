@@ -561,6 +561,13 @@ def slstm_model_decode(E=768, blocks=8, slstm_at=(7,), B=1):
 
 
 def _slstm_stack(E, blocks, slstm_at, backend, B, S, heads=4):
+    torch.manual_seed(0)
+    return xlstm_block_stack(E, blocks, slstm_at, backend, B, S, heads).to("cuda", torch.bfloat16)
+
+
+def xlstm_block_stack(E, blocks, slstm_at, backend, B, S, heads=4):
+    """The xlstm package's xLSTMBlockStack (mLSTM blocks, sLSTM blocks at `slstm_at` on `backend`),
+    in fp32 on the CPU, with random recurrent weights."""
     from xlstm import (
         mLSTMBlockConfig,
         mLSTMLayerConfig,
@@ -576,13 +583,12 @@ def _slstm_stack(E, blocks, slstm_at, backend, B, S, heads=4):
         slstm_block=sLSTMBlockConfig(slstm=sLSTMLayerConfig(backend=backend, num_heads=heads, conv1d_kernel_size=4,
                                                             batch_size=B)),
         context_length=S, num_blocks=blocks, embedding_dim=E, slstm_at=list(slstm_at))
-    torch.manual_seed(0)
     model = xLSTMBlockStack(cfg)
     with torch.no_grad():  # the package initialises R to zeros: random recurrent weights exercise the recurrence
         for name, p in model.named_parameters():
             if "recurrent" in name:
                 p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
-    return model.to("cuda", torch.bfloat16)
+    return model
 
 
 def run_slstm_model_case(case: Case) -> list:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from torch_xaccel.lowering.proof import extract
+
 ORIGIN = "xaccel_origin"
 
 
@@ -245,8 +247,8 @@ class Diff:
                 erased.add(n)
                 todo.extend(n.all_input_nodes)
         old_inputs = sorted(old_inputs, key=order.get)
-        replaced = _module(self.lowered, region.new, new_inputs, [now for _, now, _ in values])
-        written = _module(self.original, sorted(erased, key=order.get), old_inputs, [orig for _, _, orig in values])
+        replaced, _ = extract(region.new, new_inputs, outputs=[now for _, now, _ in values])
+        written, _ = extract(sorted(erased, key=order.get), old_inputs, outputs=[orig for _, _, orig in values])
         return Sides(replaced, written, [self.survivor_ids.get(a, self.equiv.get(a)) for a in new_inputs],
                      [a.meta[ORIGIN] for a in old_inputs])
 
@@ -271,20 +273,6 @@ class Sides:
     written: torch.fx.GraphModule  # the original's erased nodes: its inputs -> the same values
     replaced_inputs: list  # the ids of the survivors each reads, in placeholder order
     written_inputs: list
-
-
-def _module(owner: torch.fx.GraphModule, nodes: list, inputs: list, outputs: list) -> torch.fx.GraphModule:
-    """nodes as a GraphModule of their own, over `inputs`, returning `outputs` (get_attr constants
-    travel with their values)."""
-    graph = torch.fx.Graph()
-    root = torch.nn.Module()
-    env = {x: graph.placeholder(f"in{k}") for k, x in enumerate(inputs)}
-    for n in nodes:
-        env[n] = graph.node_copy(n, lambda a: env[a])
-        if n.op == "get_attr":
-            setattr(root, n.target, getattr(owner, n.target))
-    graph.output(tuple(env[o] for o in outputs))
-    return torch.fx.GraphModule(root, graph)
 
 
 def capture(original: torch.fx.GraphModule, ids: set, args) -> dict:

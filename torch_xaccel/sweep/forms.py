@@ -331,31 +331,11 @@ def xlstm_unavailable() -> str:
 
 
 def xlstm_block_stack(size: dict) -> nn.Module:
-    """The xlstm package's xLSTMBlockStack, configured as torch_xaccel.bench's _slstm_stack does
-    (sLSTM blocks on the pure-PyTorch vanilla backend, random recurrent weights), on any device."""
-    from xlstm import (
-        mLSTMBlockConfig,
-        mLSTMLayerConfig,
-        sLSTMBlockConfig,
-        sLSTMLayerConfig,
-        xLSTMBlockStack,
-        xLSTMBlockStackConfig,
-    )
+    """The xlstm package's xLSTMBlockStack as torch_xaccel.bench builds it (sLSTM blocks on the
+    pure-PyTorch vanilla backend, random recurrent weights), on any device."""
+    from torch_xaccel.bench import xlstm_block_stack as build
 
-    nh = size["nh"]
-    cfg = xLSTMBlockStackConfig(
-        mlstm_block=mLSTMBlockConfig(mlstm=mLSTMLayerConfig(conv1d_kernel_size=4, qkv_proj_blocksize=4,
-                                                            num_heads=nh)),
-        slstm_block=sLSTMBlockConfig(slstm=sLSTMLayerConfig(backend="vanilla", num_heads=nh, conv1d_kernel_size=4,
-                                                            batch_size=size["B"])),
-        context_length=size["S"], num_blocks=size["blocks"], embedding_dim=size["d"],
-        slstm_at=list(size.get("slstm_at", [])))
-    model = xLSTMBlockStack(cfg)
-    with torch.no_grad():  # the package starts R at zero: random recurrent weights exercise the recurrence
-        for name, p in model.named_parameters():
-            if "recurrent" in name:
-                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
-    return model
+    return build(size["d"], size["blocks"], size.get("slstm_at", []), "vanilla", size["B"], size["S"], size["nh"])
 
 
 # --- the registry -----------------------------------------------------------------------------------
