@@ -185,11 +185,15 @@ def measurement_inputs(args, written: set[int] | None) -> list:
     return [a.detach().clone() if copy(i, a) else a for i, a in enumerate(args)]
 
 
-def runner(fn: Callable, args: list, training: bool) -> Callable[[], list]:
+def runner(fn: Callable, args: list, training: bool, compared: list[int] | None = None) -> Callable[[], list]:
     """One call as the user's call runs: the forward; in training also the backward of every
     output that requires grad, with respect to the inputs that require grad. Returns the floating
-    outputs and gradients (for `summary`)."""
-    wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    outputs and gradients (for `summary`): the gradients of the inputs at the positions `compared`
+    only, where given (runs of different code that read different inputs compare those they share;
+    an input unused gives zeros)."""
+    positions = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    wrt = [args[k] for k in positions]
+    shown = range(len(wrt)) if compared is None else [positions.index(k) for k in compared if k in positions]
     grads: dict = {}
 
     def call() -> list:
@@ -200,7 +204,7 @@ def runner(fn: Callable, args: list, training: bool) -> Callable[[], list]:
         if "g" not in grads:  # one fixed set of output gradients, as a loss would send: the same
             grads["g"] = [_fixed_randn(o, k) for k, o in enumerate(outs)]  # for every candidate
         got = torch.autograd.grad(outs, wrt, grads["g"], allow_unused=True)
-        return leaves + [g for g in got if g is not None]
+        return leaves + [got[j] if got[j] is not None else torch.zeros_like(wrt[j]) for j in shown]
     return call
 
 
@@ -441,15 +445,20 @@ def _measure_region(sides, values: dict, rests: list, training: bool, device: to
     own captured inputs."""
     replaced_in = _region_inputs(values, sides.replaced_inputs, training)
     written_in = _region_inputs(values, sides.written_inputs, training)
-    runs = {"replaced": runner(sides.replaced, replaced_in, training)}
+    # gradients compared for the values both sides read (a side may read a survivor the other
+    # computes for itself, e.g. a weight's transpose)
+    common = [i for i in sides.written_inputs if i in set(sides.replaced_inputs)]
+    replaced_compared = [sides.replaced_inputs.index(i) for i in common]
+    written_compared = [sides.written_inputs.index(i) for i in common]
+    runs = {"replaced": runner(sides.replaced, replaced_in, training, replaced_compared)}
     errors = {}
     for rest in rests:
         if rest == "eager":
-            runs["written (eager)"] = runner(sides.written, written_in, training)
+            runs["written (eager)"] = runner(sides.written, written_in, training, written_compared)
             continue
         try:
             compiled = compile_region_inductor(sides.written, written_in)
-            runs["written (inductor)"] = runner(compiled, written_in, training)
+            runs["written (inductor)"] = runner(compiled, written_in, training, written_compared)
         except Exception as e:  # noqa: BLE001 - not built: the replacement stays
             errors["written (inductor)"] = f"build failed: {type(e).__name__}: {str(e)[:160]}"
     m = measure_runs(runs, device, reference="written (eager)" if "eager" in rests else None)

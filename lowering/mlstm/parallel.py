@@ -81,7 +81,7 @@ def _parallel_forms(gm: torch.fx.GraphModule, ctx: PassContext) -> dict:
         if h in gone:
             continue
         try:
-            inputs, eps, nodes, mask_checks = match(h)
+            inputs, eps, nodes, mask_checks, layouts = match(h)
         except NoMatch as e:
             if isinstance(e, DynamicEps):
                 ctx.requests.add(CONSTANT_FLOATS)
@@ -91,7 +91,7 @@ def _parallel_forms(gm: torch.fx.GraphModule, ctx: PassContext) -> dict:
         # a mask or -inf built once and shared by several layers is no escape: constants stay
         escaped = [n.name for n in region if n is not h and not constant(n) and any(u not in region for u in n.users)]
         refusals = [r for r in (causal_mask.cached_refusal(root, drops, gm) for _, root, drops in mask_checks) if r]
-        slower = kernel_refusal(*(val(inputs[x]) for x in "qkv"))
+        slower = kernel_refusal(*(_permuted(val(inputs[x]), layouts.get(x)) for x in "qkv"))
         why = (f"intermediates used elsewhere: {', '.join(escaped[:3])}" if escaped
                else "output dtype differs from q's" if val(h).dtype != val(inputs["q"]).dtype
                else f"{refusals[0]}: left as written" if refusals
@@ -100,25 +100,43 @@ def _parallel_forms(gm: torch.fx.GraphModule, ctx: PassContext) -> dict:
         if why:
             misses[h] = (len(nodes), why)
             continue
-        _replace(gm, h, inputs, eps, region, mask_checks, gone)
+        _replace(gm, h, inputs, eps, region, mask_checks, layouts, gone)
         report.replacements.append(Replacement(FAMILY, "xaccel.mlstm", "parallel stabilized form", location(h)))
     return {h: m for h, m in misses.items() if h not in gone}
 
 
-def _replace(gm, h, inputs, eps, region, mask_checks, gone: set) -> None:
+def _permuted(t, dims):
+    return t if dims is None or not isinstance(t, torch.Tensor) else t.permute(dims)
+
+
+def _laid_out(graph: torch.fx.Graph, node: torch.fx.Node, dims, fake_mode) -> torch.fx.Node:
+    """node permuted by dims (an einsum's operand or result in its own layout), or node itself."""
+    if dims is None:
+        return node
+    out = graph.call_function(aten.permute.default, (node, list(dims)))
+    if fake_mode is not None:
+        with fake_mode:
+            out.meta["val"] = val(node).permute(dims)
+    return out
+
+
+def _replace(gm, h, inputs, eps, region, mask_checks, layouts: dict, gone: set) -> None:
     graph = gm.graph
     fake_mode = getattr(val(inputs["q"]), "fake_mode", None)
     with graph.inserting_before(h):
         for mask, _, drops in mask_checks:
             causal_mask.assert_causal(graph, mask, drops)
         gates = [_as_sequence(graph, inputs[g], fake_mode) for g in "if"]
-        args = (inputs["q"], inputs["k"], inputs["v"], *gates, None, None, None, eps, CHUNK)
+        qkv = [_laid_out(graph, inputs[x], layouts.get(x), fake_mode) for x in "qkv"]
+        args = (*qkv, *gates, None, None, None, eps, CHUNK)
         fused = graph.call_function(torch.ops.xaccel.mlstm.default, args)
-        out = graph.call_function(operator.getitem, (fused, 0))
+        h_op = graph.call_function(operator.getitem, (fused, 0))
     if fake_mode is not None:
         with fake_mode:
             fakes = torch.ops.xaccel.mlstm.default(*[val(a) if isinstance(a, torch.fx.Node) else a for a in args])
-        fused.meta["val"], out.meta["val"] = fakes, fakes[0].to(val(h).dtype)
+        fused.meta["val"], h_op.meta["val"] = fakes, fakes[0].to(val(h).dtype)
+    with graph.inserting_before(h):
+        out = _laid_out(graph, h_op, layouts.get("h"), fake_mode)
     if h.meta.get("stack_trace"):
         out.meta["stack_trace"] = h.meta["stack_trace"]
     h.replace_all_uses_with(out)

@@ -9,7 +9,8 @@ inputs, its eps and every node of the form, or raises NoMatch with the step that
     h = (C / (n [+ eps])) @ v
 
 Spellings taken, each step independently:
-- products: @ (matmul) or a two-operand einsum with the batch dims first (any letters);
+- products: @ (matmul) or a two-operand einsum (any letters; q, k, v and h in any layout, e.g.
+  [B, S, NH, D] with the heads transpose inside the einsum; C in [B, NH, S, S]);
 - the row maximum: amax(logD, -1, keepdim=True), or max(logD, -1, keepdim=True) by .values,
   [0] or tuple unpacking; maximum or max for the normalizer, arguments in either order;
 - the eps: a constant added to the normalizer, or none (eps = 0: the op takes it exactly);
@@ -46,6 +47,9 @@ class Walk:
         self.seen: list = []
         self.masks: list = []
         self.checks: list = []
+        # inputs laid out otherwise than [B, NH, S, D]: name -> the permute that makes them so;
+        # "h": the permute of the op's [B, NH, S, DV] that is the user's h
+        self.layouts: dict = {}
 
     def take(self, node):
         self.seen.append(node)
@@ -62,22 +66,25 @@ class Walk:
 
 def match(h: torch.fx.Node):
     """Walk back from a candidate h; (inputs dict, eps, pattern nodes, cached masks to check as (mask
-    node, the graph input it slices, drops)). A NoMatch carries `.depth`, how many pattern nodes
-    held before the failing step."""
+    node, the graph input it slices, drops), layouts: Walk.layouts). A NoMatch carries `.depth`,
+    how many pattern nodes held before the failing step."""
     walk = Walk()
     try:
         inputs, eps = _match(h, walk)
     except NoMatch as e:
         e.depth = len(walk.seen)
         raise
-    return inputs, eps, walk.seen, walk.checks
+    return inputs, eps, walk.seen, walk.checks, walk.layouts
 
 
 def _match(h: torch.fx.Node, walk: Walk):
     take = walk.take
-    x, x_t, v, v_t = product_operands(h, "h = (C / n) @ v")
-    if x_t or v_t:
-        raise NoMatch("the output product reads C or v transposed")
+    p = product_operands(h, "h = (C / n) @ v")
+    if p.a_dims != _SAME:
+        raise NoMatch("the output product reads C transposed")
+    x, v = p.a, p.b
+    _lay_out(walk, "v", p.b_dims)  # [B, NH, S(contracted), DV]
+    _lay_out(walk, "h", _inverse(p.out_dims))
     take(h)
     C, eps, m = _normalized(x, walk)
     (qk, scales), D = _factors_of_C(C, m, take)
@@ -92,12 +99,23 @@ def _match(h: torch.fx.Node, walk: Walk):
 
 # ---- the products -------------------------------------------------------------------------------
 
-def product_operands(node, what: str) -> tuple:
-    """(a, a transposed, b, b transposed) for a batched 4-D product out[..., r, s] = sum_c a[..., r, c]
-    b[..., c, s] written as matmul or as a two-operand einsum ("transposed": the operand is laid out
-    [..., c, r] / [..., s, c] in the einsum)."""
+_SAME = (0, 1, 2, 3)
+
+
+class Product:
+    """out[b1, b2, r, s] = sum_c a[b1, b2, r, c] b[b1, b2, c, s], each operand and the output held in
+    some layout: `a_dims` are a's dims in the order (b1, b2, r, c), `b_dims` b's in the order (b1,
+    b2, c, s), `out_dims` the output's in the order (b1, b2, r, s); a permute by them gives the
+    canonical layout. (b1, b2) are the batch dims in the output's order."""
+
+    def __init__(self, a, b, a_dims=_SAME, b_dims=_SAME, out_dims=_SAME):
+        self.a, self.b, self.a_dims, self.b_dims, self.out_dims = a, b, tuple(a_dims), tuple(b_dims), tuple(out_dims)
+
+
+def product_operands(node, what: str) -> Product:
+    """A batched 4-D product written as matmul or as a two-operand einsum."""
     if is_op(node, aten.matmul.default):
-        return node.args[0], False, node.args[1], False
+        return Product(node.args[0], node.args[1])
     if not is_op(node, aten.einsum.default):
         raise NoMatch(f"expected {what}, found {getattr(node, 'target', node)}")
     equation, operands = node.args[0], node.args[1]
@@ -105,30 +123,47 @@ def product_operands(node, what: str) -> tuple:
         raise NoMatch(f"{what}: an einsum that is not a batched product")
     lhs, out = equation.replace(" ", "").split("->")
     a, b = lhs.split(",")
-    if not (len(a) == len(b) == len(out) == 4) or a[:2] != out[:2] or b[:2] != out[:2]:
-        raise NoMatch(f"{what}: an einsum that is not a batched product over the two leading dims")
-    contracted = (set(a[2:]) & set(b[2:])) - set(out)
-    r, s = out[2], out[3]
-    if len(contracted) != 1 or sorted(a[2:]) != sorted(r + next(iter(contracted))) or \
-            sorted(b[2:]) != sorted(s + next(iter(contracted))):
+    batch = [x for x in out if x in a and x in b]
+    contracted = [x for x in a if x in b and x not in out]
+    rows, cols = [x for x in a if x not in b], [x for x in b if x not in a]
+    if (not (len(a) == len(b) == len(out) == 4) or len(set(a + b + out)) != 5 or len(batch) != 2
+            or len(contracted) != 1 or len(rows) != 1 or len(cols) != 1 or sorted(out) != sorted(batch + rows + cols)):
         raise NoMatch(f"{what}: an einsum that is not a batched product")
-    c = next(iter(contracted))
-    return operands[0], a[2:] == c + r, operands[1], b[2:] == s + c
+    (b1, b2), c, r, s = batch, contracted[0], rows[0], cols[0]
+    return Product(operands[0], operands[1], [a.index(x) for x in (b1, b2, r, c)],
+                   [b.index(x) for x in (b1, b2, c, s)], [out.index(x) for x in (b1, b2, r, s)])
+
+
+def _inverse(dims: tuple) -> tuple:
+    return tuple(sorted(range(len(dims)), key=dims.__getitem__))
+
+
+def _lay_out(walk: "Walk", name: str, dims: tuple) -> None:
+    if tuple(dims) != _SAME:
+        walk.layouts[name] = tuple(dims)
 
 
 def _scores(qk, scales: list, walk: "Walk") -> tuple:
     """(q, k) of q k^T times `scales` (the scalar factors on C). Scalar factors on q or k (used
     only there) count towards 1/sqrt(DQK) where those on C alone do not make it; otherwise they
     stay part of the inputs (a k * 0.5 the user scaled on purpose)."""
-    q, q_t, kt, k_t = product_operands(qk, "q @ k^T")
-    if q_t:
-        raise NoMatch("q k^T reads q transposed")
+    p = product_operands(qk, "q @ k^T")
+    if p.out_dims != _SAME:
+        raise NoMatch("q k^T is not laid out [B, NH, S, S]")
+    q, kt = p.a, p.b
+    # k [B, NH, S, D]: for a matmul, its transpose is a node of its own; an einsum reads k as it is
+    k_dims = (p.b_dims[0], p.b_dims[1], p.b_dims[3], p.b_dims[2])
+    k_t = is_op(qk, aten.einsum.default)
     walk.take(qk)
-    dk = val(q).shape[-1]
+    dk = val(q).shape[p.a_dims[3]]
     first = None
     for strip in ((False, False), (True, False), (False, True), (True, True)):
         try:
-            return walk.attempt(_scaled_scores, q, kt, k_t, strip, scales, dk, walk.take)
+            found = walk.attempt(_scaled_scores, q, kt, k_t, strip, scales, dk, walk.take)
+            _lay_out(walk, "q", p.a_dims)
+            if k_t:
+                _lay_out(walk, "k", k_dims)
+            return found
         except NoMatch as e:
             first = first or e
     raise first

@@ -49,7 +49,7 @@ from .cell import Cell, build_cell, escapes, extract, h_candidates, tensor_roots
 from .core import find_core, seeds
 from .emit import Emitter, erase_dead, mark_reported
 from .measure import Layout, additive_tables, measure, running
-from .nodes import TIME_ARGS, example_shape, is_op, is_zeros, val
+from .nodes import TIME_ARGS, VIEWS, example_shape, is_op, is_zeros, val
 from .plans import Plan, Stack, StateMap, Sum, Zeros, batch_invariant, earlier, plan_of, rebind, timed
 from .prepare import prepare
 
@@ -266,8 +266,7 @@ def _check(graph, chain) -> None:
     if odd:
         raise Refused(odd)
     dtype = val(cells[0].core.new["h"]).dtype
-    floats = [n for c in cells for n in (*c.core.new.values(), *c.roots)]
-    if dtype not in (torch.float32, torch.float64) or any(val(n).dtype != dtype for n in floats):
+    if dtype not in (torch.float32, torch.float64) or any(not _computes_in(c, dtype) for c in cells):
         raise Refused(f"the step computes in {dtype} or mixes dtypes (the op's state math is fp32 or fp64)")
     for k, c in enumerate(cells):
         nxt = set(cells[k + 1].region) if k + 1 < T else set()
@@ -281,6 +280,16 @@ def _check(graph, chain) -> None:
     written = mutated_nodes(graph)
     if any(n in written for c in cells for n in (*c.region, *c.inputs)):
         raise Refused("a value of the loop is written in place")
+
+
+def _computes_in(cell: Cell, dtype) -> bool:
+    """Every value the step computes is in `dtype`; its roots may be narrower floats (bf16 or fp16
+    projections cast up inside the step: the op's plans read them cast, exactly as written)."""
+    computed = [*cell.core.new.values(), *(n for n in cell.pre if not is_op(n, *VIEWS))]
+    narrower = (torch.float16, torch.bfloat16) if dtype == torch.float32 else (torch.float16, torch.bfloat16,
+                                                                               torch.float32)
+    return (all(val(n).dtype == dtype for n in computed if isinstance(val(n), torch.Tensor))
+            and all(val(r).dtype in (dtype, *narrower) for r in cell.roots))
 
 
 def _time_tables(chain, layout, probed) -> dict:
@@ -565,11 +574,14 @@ def _emit(graph, chain, layout, ins: _Inputs, variant, olds, anchor, batch, regi
     T = len(hs)
     state = layout.state
     em = Emitter(graph, chain.cells[0].core.max)
+    dtype = val(hs[-1]).dtype
     with graph.inserting_before(anchor):
-        like = ins.roots[0]
-        B = Bt.emit_batch_size(em, batch, [*ins.roots, *olds])  # None where the batch size is static
-        Wx = ins.Wx.emit(em, ins.roots, like, B)
-        R, b = ins.R.emit(em, ins.roots, like), ins.b.emit(em, ins.roots, like)
+        # narrower roots cast up as the user's step casts them (_computes_in)
+        roots = [r if val(r).dtype == dtype else em(aten._to_copy.default, r, dtype=dtype) for r in ins.roots]
+        like = roots[0]
+        B = Bt.emit_batch_size(em, batch, [*roots, *olds])  # None where the batch size is static
+        Wx = ins.Wx.emit(em, roots, like, B)
+        R, b = ins.R.emit(em, roots, like), ins.b.emit(em, roots, like)
         init = [None] * 4 if all(is_zeros(x) for x in olds) else [state.emit(em, x, True, batch=B) for x in olds]
         op = em(torch.ops.xaccel.slstm.default, Wx, R, b, *init, *variant)
         y = em(operator.getitem, op, 0)

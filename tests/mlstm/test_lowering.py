@@ -42,6 +42,31 @@ def triu_mask_scale_on_k(q, k, v, i, f):
     return (C / (torch.maximum(C.sum(-1, keepdim=True).abs(), torch.exp(-m)) + 1e-6)) @ v
 
 
+def einsum_sequence_major(q, k, v, i, f):
+    """q, k, v [B, S, NH, D]: the heads transpose happens inside the einsums, h comes back [B, S, NH, DV]."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # the sequence-major tensors a model would hold
+    S, D = q.shape[1], q.shape[-1]
+    cum = F.logsigmoid(f).cumsum(-1)
+    logD = (cum.unsqueeze(-1) - cum.unsqueeze(-2) + i.unsqueeze(-2)).masked_fill(
+        ~torch.tril(torch.ones(S, S, dtype=torch.bool, device=q.device)), float("-inf"))
+    m = logD.amax(-1, keepdim=True)
+    C = torch.einsum("bshe,bthe->bhst", q * D ** -0.5, k) * torch.exp(logD - m)
+    n = torch.maximum(C.sum(-1, keepdim=True).abs(), torch.exp(-m))
+    return torch.einsum("bhst,bthe->bshe", C / (n + 1e-6), v)
+
+
+def einsum_heads_major_letters(q, k, v, i, f):
+    """Other letters, k^T handed to the einsum as a tensor, h returned [B, NH, DV, S]."""
+    S, D = q.shape[-2], q.shape[-1]
+    Fc = torch.cumsum(F.logsigmoid(f), dim=-1)
+    mask = torch.tril(torch.ones(S, S, dtype=torch.bool, device=q.device))
+    logD = torch.where(mask, Fc[..., :, None] - Fc[..., None, :] + i[..., None, :], float("-inf"))
+    m = torch.max(logD, dim=-1, keepdim=True).values
+    C = torch.einsum("zyad,zydc->zyac", q, k.transpose(-1, -2)) / math.sqrt(D) * torch.exp(logD - m)
+    n = torch.maximum(C.sum(-1, keepdim=True).abs(), torch.exp(-m))
+    return torch.einsum("zyac,zycv->zyva", C / (n + 1e-6), v)
+
+
 def _inputs(B=2, H=3, S=24, DK=8, DV=6, seed=0):
     g = torch.Generator().manual_seed(seed)
     mk = lambda *s: torch.randn(*s, generator=g).requires_grad_()  # noqa: E731
@@ -49,7 +74,8 @@ def _inputs(B=2, H=3, S=24, DK=8, DV=6, seed=0):
             (torch.randn(B, H, S, generator=g) + 2).requires_grad_()]
 
 
-@pytest.mark.parametrize("fn", [masked_fill_style, where_style_scale_on_q, triu_mask_scale_on_k])
+@pytest.mark.parametrize("fn", [masked_fill_style, where_style_scale_on_q, triu_mask_scale_on_k,
+                                einsum_sequence_major, einsum_heads_major_letters])
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_parallel_form_replaced_and_equal(fn, dynamic):
     report = check_compiled(fn, _inputs(seed=3), dynamic=dynamic, tol=2e-5)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import check_compiled
+from tests.helpers import check_compiled, rel_err
 from torch_xaccel.lowering.graph_utils import REPORTED_REGION
 from torch_xaccel.report import Report, collect
 
@@ -87,6 +87,22 @@ def test_the_textbook_step_with_its_stabilizer_written_twice_is_one_slstm():
     report = check_compiled(textbook, _inputs(1), tol=1e-5)
     assert _slstm(report) == (1, 0), str(report)
     assert "fresh=element" in report.replacements[0].pattern and not _slstm_reasons(report)
+
+
+def textbook_on_bf16_projections(Wx, R, b):
+    """A bf16 model whose sLSTM state math runs in fp32: the projections and weights cast up in the
+    loop's code (the sweep's slstm_loop form in bf16)."""
+    return textbook(Wx.float(), R.float(), b.float())
+
+
+def test_bf16_projections_cast_up_to_an_fp32_step_are_one_slstm():
+    inputs = [t.detach().bfloat16().requires_grad_() for t in _inputs(5)]
+    # gradients come back in bf16: equal up to a rounding of values that agree in fp32
+    report = check_compiled(textbook_on_bf16_projections, inputs, tol=2e-3)
+    assert _slstm(report) == (1, 0), str(report)
+    compiled = torch.compile(textbook_on_bf16_projections, backend="xaccel")
+    out, ref = compiled(*inputs), textbook_on_bf16_projections(*inputs)
+    assert out.dtype == torch.float32 and rel_err(out, ref) <= 1e-5  # the step itself computes in fp32
 
 
 def test_the_textbook_step_with_the_fresh_rule_and_every_gate_written_per_use_is_one_slstm():

@@ -431,6 +431,8 @@ def _mlstm_sizes():
     return out
 
 
+# the sizes of issue 57's probe (a user's two-block paper-form model, before the measured choice)
+PROBE_SIZES = [dict(d=512, nh=4, S=512, B=8), dict(d=1024, nh=8, S=1024, B=4), dict(d=2048, nh=8, S=4096, B=2)]
 SLSTM_SIZES = [dict(d=256, nh=4, S=128, B=32), dict(d=256, nh=4, S=512, B=16), dict(d=512, nh=4, S=256, B=16),
                dict(d=768, nh=4, S=512, B=16), dict(d=1024, nh=4, S=128, B=16), dict(d=1024, nh=8, S=1024, B=8)]
 ROW_SIZES = [dict(M=M, d=d) for d in (1024, 2048, 4096) for M in (1, 16, 256, 4096, 16384)]
@@ -450,6 +452,7 @@ def full_grid() -> list[dict]:
     fp32_mlstm = [dict(d=256, nh=4, S=512, B=32), dict(d=1024, nh=4, S=2048, B=8)]
     for form in ("mlstm_paper", "mlstm_einsum", "mlstm_chunkwise"):
         rows += _rows(form, _mlstm_sizes(), ("bf16", "bf16/fp32rec")) + _rows(form, fp32_mlstm, ("fp32",))
+    rows += _rows("mlstm_paper", PROBE_SIZES, ("bf16/fp32rec", "bf16"))
     rows += _rows("slstm_loop", SLSTM_SIZES, ("bf16",)) + _rows("slstm_loop", SLSTM_SIZES[:3], ("fp32",))
     for form in ("swiglu_mlp", "gemm_chain"):
         rows += _rows(form, ROW_SIZES, ("bf16",)) + _rows(form, [dict(M=4096, d=1024), dict(M=4096, d=2048)],
