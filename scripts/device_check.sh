@@ -10,10 +10,14 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XACCEL_CACHE_DIR=${XACCEL_CACHE_DIR:-/tmp/xaccel-cache}
 # at most 8 files come back from a device call: installs and versions share setup.log
-python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/setup.log" 2>&1 || { echo "pip install failed:"; tail -25 "$OUT/setup.log"; }
+# (an image whose setuptools predates SPDX licence metadata cannot install it: the checkout is then
+# imported from its root, the backend registered by torch_xaccel itself)
+python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/setup.log" 2>&1 \
+  || { echo "pip install failed, running from the checkout:"; tail -5 "$OUT/setup.log"; export PYTHONPATH="$PWD"; }
 # pure-Python wheels (xlstm, mlstm-kernels, flashrnn, nvidia-cutlass), when the call carries .whl
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >> "$OUT/setup.log" 2>&1 && export PYTHONPATH=/tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >> "$OUT/setup.log" 2>&1 \
+    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/setup.log"
 run_tests() {

@@ -9,12 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from triton import cdiv
 
 from torch_xaccel.ops.causal_conv.reference import channels_last_like
 
 from .. import cache
-from ..limits import INT32_LIMIT
+from ..limits import INT32_LIMIT, cdiv
 from ..render import Templates
 from ..triton_launch import LaunchCache
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from triton import cdiv, next_power_of_2
 
 from torch_xaccel.ops.headwise import reference
 
 from .. import cache, tuning
-from ..limits import INT32_LIMIT
+from ..limits import INT32_LIMIT, cdiv, next_power_of_2
 from ..render import Templates
 from ..triton_launch import LaunchCache
 

@@ -515,7 +515,7 @@ def route_max_grad(dm, gm, dmT, i, f, rs, cdc, L, m0=None):
     length L), plus the eps term dm [B, H, S] (gm + dmT.sum(-1) added to its last row) routed
     through the stabilizer max: what _backward's torch tail computes with
     ops/mlstm/reference_backward.route_max_grads."""
-    from triton import next_power_of_2
+    from ..limits import next_power_of_2
 
     B, H, S = i.shape
     i, f = _strided(i), _strided(f)

@@ -13,14 +13,13 @@ import hashlib
 from pathlib import Path
 
 import torch
-from triton import cdiv, next_power_of_2
 
 from torch_xaccel.ops.pointwise.program import Program, parse
 from torch_xaccel.runtime import interpreting
 
 from .. import cache
 from ..gemm_epilogue.render import compute_expr
-from ..limits import INT32_LIMIT, reach
+from ..limits import INT32_LIMIT, cdiv, next_power_of_2, reach
 from ..render import Templates
 from ..triton_launch import LaunchCache
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from triton import cdiv
 
 from .. import cache
-from ..limits import INT32_LIMIT
+from ..limits import INT32_LIMIT, cdiv
 from ..render import Templates
 from ..triton_launch import LaunchCache
 
