@@ -168,3 +168,26 @@ def test_fp16_export_runs_in_onnxruntime_and_bf16_passes_the_checker(tmp_path):
     res = xonnx.export(model.bfloat16(), (x.bfloat16(),), tmp_path / "bf16.onnx", report=False)
     assert res.xaccel_nodes == {"gemm_epilogue": 1, "mlstm": 1, "headwise": 1}
     onnx.checker.check_model(res.model, full_check=True)
+
+
+def test_an_export_prints_nothing_warns_nothing_and_logs_its_report(tmp_path, capfd, recwarn, caplog):
+    """With default settings: nothing on stdout or stderr (torch's LeafSpec FutureWarning and the
+    exporter's torchvision notes filtered where torch raises them), no warning; the report is an
+    INFO record of the `torch_xaccel.onnx` logger (TORCH_LOGS / logging show it)."""
+    import logging
+
+    from torch_xaccel.demo import GeluMLP
+
+    torch.manual_seed(0)
+    mlp, x = GeluMLP(16, 32).eval(), torch.randn(2, 3, 16)
+    with caplog.at_level(logging.INFO, logger="torch_xaccel.onnx"):
+        res = xonnx.export(mlp, (x,), tmp_path / "m.onnx")
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", "")
+    assert [str(w.message) for w in recwarn] == []
+    logged = [r for r in caplog.records if r.name == "torch_xaccel.onnx"]
+    assert [r.levelno for r in logged] == [logging.INFO] and logged[0].getMessage() == str(res)
+    assert "xaccel nodes gemm_epilogue=2" in str(res)
+    caplog.clear()
+    xonnx.export(mlp, (x,), report=False)
+    assert not [r for r in caplog.records if r.name == "torch_xaccel.onnx"]

@@ -5,10 +5,14 @@ graph (so the same matches, refusals and report) -> each xaccel op as one `xacce
 (symbolic.py) -> torch.onnx's exporter -> a FunctionProto per node form (functions.py), so that a
 stock onnxruntime runs the model with no plugin. Families whose ops have no ONNX body yet are left
 out of the passes, and so is a family whose pass fixes a dim the caller declared dynamic: their
-code exports as standard ONNX, and the report says so."""
+code exports as standard ONNX, and the report says so. The result keeps torch.onnx's IR model,
+whose weights are the model's own tensors (never copied), and writes it with its weights in a
+`.data` file beside it where one file would pass protobuf's 2 GB limit (ExportResult.save)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 import re
 import types
@@ -21,20 +25,105 @@ from torch_xaccel.report import Fallback, Report, new_graph_report
 
 from . import functions as bodies, symbolic
 
+# protobuf serializes no message of 2 GiB or more: a model whose file would reach it keeps its
+# weights in a file beside it (ONNX external data). Tests lower it to exercise that path.
+EXTERNAL_DATA_THRESHOLD = 2**31 - 1
+
+logger = logging.getLogger("torch_xaccel.onnx")
+
 
 @dataclass
 class ExportResult:
-    model: object  # onnx.ModelProto
-    path: str | None  # where it was written, if a path was given
+    program: object = field(repr=False, compare=False)  # torch.onnx.ONNXProgram: the model as onnx IR, bodies attached
+    path: str | None  # where it was last written (export's `f` or save()), None if never
     report: Report  # what became xaccel nodes, what stayed standard ONNX and why
     xaccel_nodes: dict[str, int] = field(default_factory=dict)  # op -> its nodes in the graph
+    data_path: str | None = None  # the external data file beside `path`, None if the weights are inside it
+    _proto: object = field(default=None, repr=False, compare=False)
+
+    @property
+    def model(self):
+        """The onnx.ModelProto (serialized from `program` on first access, every weight copied
+        into it: for a model near or over 2 GB use save() instead)."""
+        if self._proto is None:
+            self._proto = self.program.model_proto
+        return self._proto
+
+    def save(self, path, external_data: bool | None = None) -> None:
+        """Write the model to `path`. external_data: None (default) puts the weights in
+        `<file name>.data` beside it when one file would pass protobuf's 2 GB limit, and in the
+        file otherwise; True always does, False never does (a model over the limit: ValueError).
+        onnxruntime.InferenceSession(path) and onnx.load(path) find the data file by the name the
+        model records. The weights written are the model's own tensors as they are now."""
+        from onnxscript import ir
+
+        path = os.fspath(path)
+        model = self.program.model
+        over = serialized_size(model) > EXTERNAL_DATA_THRESHOLD
+        if external_data is False and over:
+            raise ValueError(f"torch_xaccel.onnx: the model is over protobuf's 2 GB limit "
+                             f"({serialized_size(model) / 2**30:.2f} GiB): save it with external_data=True (or None)")
+        data = os.path.basename(path) + ".data" if external_data or (external_data is None and over) else None
+        ir.save(model, path, external_data=data)
+        self.path, self.data_path = path, os.path.join(os.path.dirname(path), data) if data else None
 
     def nodes(self) -> str:
         """The xaccel node counts as one line: "gemm_epilogue=12, slstm=2" ("none")."""
         return ", ".join(f"{k}={v}" for k, v in sorted(self.xaccel_nodes.items())) or "none"
 
     def __str__(self) -> str:
-        return f"ONNX export{' to ' + self.path if self.path else ''}: xaccel nodes {self.nodes()}\n{self.report}"
+        where = f" to {self.path}" if self.path else ""
+        if self.data_path:
+            where += f" (weights in {os.path.basename(self.data_path)})"
+        return f"ONNX export{where}: xaccel nodes {self.nodes()}\n{self.report}"
+
+
+@contextlib.contextmanager
+def _weights_left_out(model):
+    """`model` (onnx IR) with each initializer's data replaced by an external reference to
+    nowhere (its name, dtype and dims kept), so that serializing it copies no weight."""
+    from onnxscript import ir
+
+    kept = {}
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if tensor is None or isinstance(tensor, ir.ExternalTensor):
+            continue
+        kept[value] = tensor
+        value.const_value = ir.ExternalTensor("(left out)", 0, tensor.nbytes, tensor.dtype, shape=tensor.shape,
+                                              name=tensor.name or value.name)
+    try:
+        yield model
+    finally:
+        for value, tensor in kept.items():
+            value.const_value = tensor
+
+
+def without_weights(model):
+    """The onnx.ModelProto of `model` (onnx IR) without its initializers' data."""
+    from onnxscript import ir
+
+    with _weights_left_out(model):
+        return ir.serde.serialize_model(model)
+
+
+def serialized_size(model) -> int:
+    """The bytes of `model` (onnx IR) as one protobuf file, about (its weights' bytes and the rest)."""
+    weights = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    return weights + without_weights(model).ByteSize()
+
+
+def _copy_functions(proto, model) -> None:
+    """The bodies attach() added to `proto` (without_weights(model)) into `model`: each xaccel
+    node's overload, each function."""
+    from onnxscript import ir
+
+    for node, ir_node in zip(proto.graph.node, model.graph, strict=True):
+        if node.overload:
+            ir_node.overload = node.overload
+    for fn in proto.functions:
+        function = ir.serde.deserialize_function(fn)
+        model.functions[function.identifier()] = function
 
 
 def _exportable_patterns(cfg) -> tuple[set[str], list[str]]:
@@ -70,7 +159,9 @@ def _exported(model, args, kwargs, dynamic_shapes, strict, report):
         if strict_mode:
             families.install_trace_hooks()
         try:
-            return torch.export.export(model, args, kwargs=kwargs, dynamic_shapes=dynamic_shapes, strict=strict_mode)
+            with bodies.quiet_exporter():
+                return torch.export.export(model, args, kwargs=kwargs, dynamic_shapes=dynamic_shapes,
+                                           strict=strict_mode)
         except Exception as e:
             unkeepable = _constraint_error(e)
             if unkeepable is None:
@@ -233,17 +324,21 @@ MIN_OPSET = 18  # torch.onnx's dynamo exporter has no implementations below it (
 
 
 def export(model, args, f=None, *, kwargs=None, dynamic_shapes=None, opset_version=None, functions: bool = True,
-           report: bool = True, strict: bool | None = None) -> ExportResult:
+           report: bool = True, strict: bool | None = None, external_data: bool | None = None) -> ExportResult:
     """Export `model(*args, **kwargs)` to ONNX with each fused region as one `xaccel` node.
 
     dynamic_shapes: torch.export's, kept symbolic in the ONNX graph. functions: attach each node's
     body (standard ONNX ops) so that any onnxruntime runs the file; False leaves the bare custom
-    nodes for a runtime that implements the domain. report: print what was fused and what was
-    not. strict: True traces with Dynamo (torch.export's strict mode), which applies torch.compile's
-    library substitutions (xlstm's and FlashRNN's sLSTM loops, the mLSTM library calls); False
-    traces without it; None (default): Dynamo, and non-strict where Dynamo fails.
-    Returns an ExportResult (the ModelProto, the path, the report, the xaccel node counts)."""
-    import onnx
+    nodes for a runtime that implements the domain. report: log what was fused and what was not
+    (INFO, logger "torch_xaccel.onnx"; nothing is printed). external_data: how `f` is written,
+    as ExportResult.save does (None: the weights in `<f's name>.data` beside it where one file
+    would pass protobuf's 2 GB limit). strict: True traces with Dynamo (torch.export's strict
+    mode), which applies torch.compile's library substitutions (xlstm's and FlashRNN's sLSTM
+    loops, the mLSTM library calls); False traces without it; None (default): Dynamo, and
+    non-strict where Dynamo fails. (Dynamo's export keeps a copy of every weight it meets, about
+    3x the weights' memory at its peak: for a model whose weights fill memory, strict=False.)
+    Returns an ExportResult (the ONNXProgram, the path, the report, the xaccel node counts; its
+    `model` the ModelProto, its save(path, external_data=None) writes it again)."""
 
     if opset_version is not None and opset_version < MIN_OPSET:
         raise ValueError(f"torch_xaccel.onnx.export: opset_version {opset_version} is not supported: torch.onnx "
@@ -261,15 +356,16 @@ def export(model, args, f=None, *, kwargs=None, dynamic_shapes=None, opset_versi
         ep = _lowered(ep, cfg, graph_report, lambda: _exported(model, tuple(args), kwargs, dynamic_shapes, strict,
                                                                types.SimpleNamespace(fallbacks=[])))
     _check_translatable(ep)
-    ep = ep.run_decompositions({op: symbolic.decomposition(op) for op in bodies.translatable_ops()})
     with bodies.quiet_exporter():
+        ep = ep.run_decompositions({op: symbolic.decomposition(op) for op in bodies.translatable_ops()})
         program = torch.onnx.export(ep, dynamo=True, opset_version=opset_version, dynamic_shapes=dynamic_shapes,
                                     verbose=False)
-    proto = program.model_proto  # (a fresh serialization on every access: edit this one)
+    proto = without_weights(program.model)  # (the weights stay the model's tensors: nothing copied)
     counts = bodies.attach(proto) if functions else bodies.count(proto)
+    _copy_functions(proto, program.model)
+    result = ExportResult(program, None, Report(graphs=[graph_report]), counts)
     if f is not None:
-        onnx.save(proto, os.fspath(f))
-    result = ExportResult(proto, os.fspath(f) if f is not None else None, Report(graphs=[graph_report]), counts)
+        result.save(f, external_data)
     if report:
-        print(result, flush=True)
+        logger.info("%s", result)
     return result

@@ -89,34 +89,44 @@ def count(model: onnx.ModelProto) -> dict[str, int]:
     return counts
 
 
+def function_for(call: Call, opset_imports: dict[str, int], build: dict | None = None) -> onnx.FunctionProto:
+    """The function of one call form: its family's body (`build`, default builders()), named as
+    the node (op_type, the `xaccel` domain, overload `call.key`) and importing `opset_imports`
+    (domain -> version; the model's, less the `xaccel` domain, so that every op in the body has
+    the model's schema). One definition for torch_xaccel.onnx.export (attach) and plain
+    torch.onnx.export (translation.py)."""
+    build = builders() if build is None else build
+    if call.op not in build:
+        raise ValueError(f"xaccel::{call.op} has no ONNX body yet (ops/<family>/onnx.py): export it with "
+                         f"functions=False for a runtime that implements the xaccel domain")
+    fn = _body(build[call.op], call)
+    fn.name, fn.domain, fn.overload = call.op, DOMAIN, call.key
+    del fn.opset_import[:]
+    fn.opset_import.extend(helper.make_opsetid(d, v) for d, v in opset_imports.items() if d != DOMAIN)
+    return fn
+
+
 def attach(model: onnx.ModelProto) -> dict[str, int]:
     """Append a FunctionProto for every form of xaccel node in the model's main graph; returns the
-    node count per op. A node whose op has no body builder raises ValueError naming it."""
+    node count per op. A node whose op has no body builder raises ValueError naming it. Reads only
+    the initializers' names, types and dims: a model whose weights were left out works the same."""
     build = builders()
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    imports = {o.domain: o.version for o in model.opset_import}
+    opset = imports.get("", imports.get("ai.onnx"))
     types = _value_types(model)
-    made: dict[str, str] = {}
+    made: set[str] = set()
     counts: dict[str, int] = {}
     for node in model.graph.node:
         if node.domain != DOMAIN:
             continue
-        if node.op_type not in build:
-            raise ValueError(f"xaccel::{node.op_type} has no ONNX body yet (ops/<family>/onnx.py): export it with "
-                             f"functions=False for a runtime that implements the xaccel domain")
-        counts[node.op_type] = counts.get(node.op_type, 0) + 1
         known = [types.get(name, (None, None)) if name else (None, None) for name in node.input]
         call = Call(node.op_type, _attrs(node), tuple(bool(name) for name in node.input),
                     tuple(k[0] for k in known), opset, tuple(k[1] for k in known))
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
         node.overload = call.key
-        if call.key in made:
-            continue
-        fn = _body(build[node.op_type], call)
-        fn.name, fn.domain, fn.overload = node.op_type, DOMAIN, call.key
-        del fn.opset_import[:]
-        fn.opset_import.extend(helper.make_opsetid(o.domain, o.version) for o in model.opset_import
-                               if o.domain != DOMAIN)
-        model.functions.append(fn)
-        made[call.key] = node.op_type
+        if call.key not in made:
+            model.functions.append(function_for(call, imports, build))
+            made.add(call.key)
     return counts
 
 
@@ -159,16 +169,25 @@ def renamed_graph(graph: onnx.GraphProto, prefix: str, outer: dict[str, str]) ->
     return g
 
 
+# torch's own deprecation warning, raised inside torch.export and torch.onnx's exporter on every
+# export (their pytree code checks `isinstance(spec, LeafSpec)`): nothing a caller can act on.
+_TORCH_NOISE = [(FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated")]
+
+
 @contextlib.contextmanager
 def quiet_exporter():
-    """torch.onnx's exporter logs a warning per torchvision op it cannot register when torchvision
-    is absent, and notes on axis names shared between inputs, on every export: noise here."""
+    """Around a call of torch.export or torch.onnx's exporter, what is noise on every export: the
+    LeafSpec FutureWarning, the notes on axis names shared between inputs (other warnings pass),
+    and the registration's log below ERROR (a warning per torchvision op it cannot register when
+    torchvision is absent)."""
     logger = logging.getLogger("torch.onnx._internal.exporter._registration")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*axis name.*will not be used.*")
+            for category, message in _TORCH_NOISE:
+                warnings.filterwarnings("ignore", message=message, category=category)
             yield
     finally:
         logger.setLevel(level)
