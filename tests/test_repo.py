@@ -18,6 +18,22 @@ def test_readme_starts_with_demo_and_test_commands_and_ci_runs_the_test_one():
     assert cmds[1] in (ROOT / ".ci" / "run").read_text()
 
 
+def test_readme_is_one_screen_deep_and_opens_with_its_two_commands():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, len(lines)
+    top = lines[:15]
+    assert all(cmd in top for cmd in _readme_commands()[:2]), top
+
+
+def test_links_of_readme_and_docs_resolve():
+    """Every relative link in README.md and docs/*.md names a file of the checkout."""
+    broken = [(str(md.relative_to(ROOT)), target)
+              for md in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+              for target in re.findall(r"\]\(([^)#\s]+)[^)]*\)", md.read_text())
+              if "://" not in target and not (md.parent / target).exists()]
+    assert not broken, broken
+
+
 def test_demo_main_job_passes():
     proc = subprocess.run([sys.executable, "-m", "torch_xaccel.demo", "--device", "cpu"],
                           capture_output=True, text=True, timeout=600)

@@ -49,7 +49,7 @@ LARGE = [("cutlass", 128, 256, 64, 2, 1, 8, 0), ("cutlass", 128, 256, 64, 2, 1, 
 # Decode-sized M (64 < M <= 256): one or two rows of tiles, so the time is reading B once. A 1x2
 # cluster multicasts x's tile to both CTAs; a 2x1 cluster of 64-row tiles shares the weight tile.
 # Not here: 64x128x128 ping-pong, 128x64x128 and a stream-K schedule, which lost to these three at
-# M128 (docs/benchmarks-history.md).
+# M128 (measured: docs/benchmarks.md's git history).
 SMALL = [("cutlass", 128, 128, 64, 1, 2, 1, 0), ("cutlass", 128, 128, 128, 1, 2, 1, 0),
          ("cutlass_pp", 64, 256, 64, 2, 1, 1, 0)]
 SMALL_MIN_M = 64  # at most this many rows (decode steps' M1/M8 GEMMs): no CUTLASS candidates

@@ -38,10 +38,10 @@ SMALL_M = [("ptr", 128, 64, 128, 8, 4, 4, 0), ("ptr", 128, 32, 128, 8, 4, 5, 0),
            ("tma", 64, 64, 128, 8, 4, 5, 0), ("ptr", 128, 128, 64, 8, 8, 4, 0), ("tma", 128, 128, 64, 8, 8, 4, 0)]
 # the 128x128 ptr/tma pair (listed last): at M128 one 128-row tile reads each weight tile once, with
 # N/128 programs (about one per SM at N16384), where ptr 64x128x64 reads W twice and relies on L2
-# for the second read; tuning picks between them per shape class (docs/benchmarks-history.md).
+# for the second read; tuning picks between them per shape class (measured: docs/benchmarks.md's git history).
 # No split-K configs (fp32 partial sums over slices of K, then a reduce + epilogue kernel): they
 # lost to the unsplit ones on decode shapes, even on a down projection with few output tiles
-# (docs/benchmarks-history.md).
+# (measured: docs/benchmarks.md's git history).
 DUAL = [("tma", 128, 128, 64, 8, 8, 3, 1), ("tma", 128, 128, 64, 8, 8, 4, 0), ("tma", 128, 128, 64, 8, 8, 3, 0),
         ("tma", 256, 128, 64, 8, 8, 2, 1), ("tma2", 128, 128, 64, 8, 8, 4, 0), ("tma2", 128, 128, 64, 8, 8, 3, 1),
         ("ptr", 128, 128, 64, 8, 8, 3, 0), ("ptr", 128, 64, 64, 8, 4, 4, 0)]

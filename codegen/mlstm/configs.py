@@ -43,7 +43,7 @@ def scan_warps(cfg: dict) -> int:
     """Warps of the sequential state scans: at most 4. At 8 warps the scans spill no registers on
     sm_90 (at 4 they spill 584 B per program) but are slower at both benchmark shapes, forward and
     backward, the row-factor reverse scan included; so are BK 32 scan tiles (twice the programs;
-    docs/benchmarks-history.md)."""
+    docs/benchmarks.md's git history)."""
     return min(cfg["warps"], 4)
 
 
@@ -133,7 +133,7 @@ SPLIT3 = dict(L=64, BV=64, BK=64, BVS=128, warps=4, stages=2, DVS=64, DKS=128)
 # (mlstm_bwd_dqdk, two [L, DKS] accumulators: at 4 warps they spill a little on sm_90, at 8 warps
 # they do not but are slower). With its DVS 128 variant the runner-up to SPLIT2, faster than dv
 # alone split off or the single per-chunk kernel; DKS 32 or 64, 3 stages and L128 are slower and
-# not candidates (docs/benchmarks-history.md). The reverse scan also reads every stored chunk
+# not candidates (measured: docs/benchmarks.md's git history). The reverse scan also reads every stored chunk
 # state for the forget term; moved into the dv kernel, that term is slower.
 
 
