@@ -466,7 +466,7 @@ def test_a_rewiring_that_changes_the_outputs_keeps_the_replacements(choosing, mo
 def test_same_outputs_tells_a_miswired_graph():
     gm = torch.fx.symbolic_trace(lambda x, y: x * 2 + y)
     wrong = torch.fx.symbolic_trace(lambda x, y: y * 2 + x)
-    args = [torch.randn(8), torch.randn(8)]
+    args = [torch.randn(8) * 10, torch.randn(8)]  # x dominates: the swap doubles the norm (a check by norms)
     assert choice.same_outputs(gm, gm, args) and not choice.same_outputs(gm, wrong, args)
 
 
@@ -564,3 +564,45 @@ def test_a_train_step_times_every_candidate(choosing):
     entry, = [json.loads(p.read_text())["value"] for p in _choice_entries(choosing)]
     assert [name for name, ms, why in entry["timings"] if ms is None] == []
     assert sorted(name for name, _, _ in entry["timings"]) == sorted(NAMES)
+
+
+def test_region_sides_reading_different_inputs_compare_the_gradients_they_share():
+    """A replacement may read a survivor its original computes for itself (a weight, where the
+    original reads the weight's transpose): gradients are compared for the inputs both sides read,
+    a timed backward still covers every input."""
+    x, w = torch.randn(4, 3, requires_grad=True), torch.randn(5, 3, requires_grad=True)
+    wt = w.detach().t().contiguous().requires_grad_()
+    replaced = choice.runner(lambda x, w: F.linear(x, w).relu(), [x, w], True, compared=[0])
+    written = choice.runner(lambda wt, x: (x @ wt).relu(), [wt, x], True, compared=[1])
+    got, want = replaced(), written()
+    assert len(got) == len(want) == 2  # the output and x's gradient
+    assert not choice.disagreement(choice.summary(got), choice.summary(want))
+    # without the selection each side's second gradient is a different input's
+    assert len(choice.runner(lambda x, w: F.linear(x, w).relu(), [x, w], True)()) == 3
+
+
+def test_a_lowered_graph_with_regions_put_back_keeps_its_outputs_through_the_backward(xaccel_env, tmp_path,
+                                                                                      monkeypatch):
+    """transformers' xLSTM train step with its skinny linears and two of each block's GEMM chains put
+    back: under Inductor its backward must not write into the logits it returned (aot_autograd's
+    donated buffers did), so the xaccel candidate agrees with eager and is measured."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.xlstm import modeling_xlstm
+
+    xaccel_env(XACCEL_CHOOSE="1", XACCEL_CACHE_DIR=str(tmp_path))
+
+    def put_back_some(diff, example_inputs, training, rests, *args):
+        chosen = [r for k, r in enumerate(diff.regions) if k % 5 in (0, 1, 3)]  # per block: skinny, 1st, 3rd GEMM
+        return {rest: chosen for rest in rests}, []
+    monkeypatch.setattr(choice, "choose_regions", put_back_some)
+    cfg = transformers.xLSTMConfig(vocab_size=97, hidden_size=64, num_heads=2, num_blocks=2, qk_dim_factor=0.5,
+                                   v_dim_factor=1.0, chunk_size=16, mode="train", use_cache=False)
+    torch.manual_seed(0)
+    model = modeling_xlstm.xLSTMForCausalLM(cfg).train()
+    ids = torch.randint(0, 97, (2, 32))
+    torch._dynamo.reset()
+    out = torch.compile(model, backend="xaccel")(input_ids=ids, labels=ids)
+    out.loss.backward()
+    [graph] = last_report().graphs
+    assert graph.region_choices == [] and "xaccel (inductor rest)" in graph.choice, graph.choice
+    assert "disagrees" not in graph.choice, graph.choice

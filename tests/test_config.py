@@ -1,4 +1,9 @@
-"""Every XACCEL_* switch, read at each compile; invalid values give one clear error."""
+"""Every setting: XACCEL_* variables read at each compile, torch.compile's `xaccel.*` options,
+torch_xaccel.config.patch; invalid values give one clear XaccelConfigError the user can catch."""
+import pickle
+import warnings
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -58,10 +63,13 @@ def test_fallback_inductor_runs_the_rest_through_inductor(xaccel_env):
     assert report.counts()["gemm_epilogue"] == 1 and report.graphs[0].fallback_backend == "inductor"
 
 
-def test_log_prints_report(xaccel_env, capsys):
+def test_log_writes_the_report_to_stderr_not_stdout(xaccel_env, capsys):
+    """XACCEL_LOG=1: the report at INFO on the torch_xaccel logger, shown even where TORCH_LOGS
+    does not enable it (tests/test_logs.py has TORCH_LOGS)."""
     xaccel_env(XACCEL_LOG="1")
     _run()
-    assert "gemm_epilogue=1" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert "gemm_epilogue=1" in out.err and "torch_xaccel report" in out.err and out.out == ""
 
 
 def test_tuning_is_on_unless_switched_off(xaccel_env):
@@ -93,8 +101,8 @@ def test_invalid_values_name_variable_and_allowed_values(xaccel_env, name, value
     with pytest.raises(torch_xaccel.XaccelConfigError, match=name) as err:
         config.load()
     assert allowed in str(err.value) and value.split(",")[-1] in str(err.value)
-    # through torch.compile the same message reaches the user
-    with pytest.raises(Exception, match=name):
+    # through torch.compile the same error reaches the user, at the first call
+    with pytest.raises(torch_xaccel.XaccelConfigError, match=name):
         _run()
 
 
@@ -119,3 +127,256 @@ def test_bad_cutlass_mode_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("XACCEL_CUTLASS", "sometimes")
     with pytest.raises(XaccelConfigError, match="XACCEL_CUTLASS='sometimes' is invalid; allowed: 0, 1 or wait"):
         load()
+
+
+# -- the table, options=, config.patch, precedence ------------------------------------------------
+
+def _compile_run(**compile_kwargs):
+    x, w = torch.randn(8, 4), torch.randn(6, 4)
+    with collect() as graphs:
+        out = torch.compile(fn, backend="xaccel", **compile_kwargs)(x, w)
+    torch.testing.assert_close(out, fn(x, w), rtol=1e-5, atol=1e-6)
+    return Report(graphs=graphs)
+
+
+def test_one_table_names_every_setting(monkeypatch):
+    from dataclasses import fields
+
+    names = [f.name for f in fields(config.Config)]
+    assert list(config.SETTINGS) == names
+    assert [s.env for s in config.SETTINGS.values()] == ["XACCEL_" + n.upper() for n in names]
+    assert config.option_keys() == ["xaccel." + n for n in names]
+    monkeypatch.delenv("XACCEL_CHOOSE")
+    assert config.load() == config.Config()  # the defaults are Config's
+
+
+@pytest.mark.parametrize("key, value, field, expected", [
+    ("xaccel.disable", True, "disable", True),
+    ("xaccel.patterns", "mlstm,gemm_epilogue", "patterns", frozenset({"mlstm", "gemm_epilogue"})),
+    ("xaccel.patterns", ["mlstm"], "patterns", frozenset({"mlstm"})),
+    ("xaccel.fallback", "Eager", "fallback", "eager"),
+    ("xaccel.compile_threads", 3, "compile_threads", 3),
+    ("xaccel.cutlass", "wait", "cutlass", "wait"),
+    ("xaccel.cutlass", False, "cutlass", "0"),
+    ("xaccel.backward_fusion", None, "backward_fusion", None),
+    ("xaccel.tune", "off", "tune", False),
+    ("xaccel.cache_dir", "~/x", "cache_dir", Path("~/x").expanduser()),
+])
+def test_option_values_parse_like_the_variables(key, value, field, expected):
+    ours, rest = config.split_options({key: value, "max_autotune": True})
+    assert rest == {"max_autotune": True}  # Inductor's keys stay Inductor's
+    assert getattr(config.load(ours), field) == expected
+
+
+def test_options_reach_the_compile():
+    report = _compile_run(options={"xaccel.disable": True})
+    assert report.graphs[0].disabled and report.counts()["gemm_epilogue"] == 0
+    torch._dynamo.reset()
+    report = _compile_run(options={"xaccel.patterns": "mlstm"})
+    assert report.graphs[0].patterns == ("mlstm",) and report.counts()["gemm_epilogue"] == 0
+    torch._dynamo.reset()
+    report = _compile_run(options={"xaccel.fallback": "inductor"})
+    assert report.graphs[0].fallback_backend == "inductor" and report.counts()["gemm_epilogue"] == 1
+
+
+def test_xaccel_and_inductor_options_together(monkeypatch):
+    """The xaccel.* keys are taken out; the rest reach Inductor's compile_fx as they did."""
+    import torch._inductor.compile_fx as cfx
+
+    seen = []
+    real = cfx.compile_fx
+
+    def spy(gm, inputs, *args, config_patches=None, **kw):
+        seen.append(dict(config_patches or {}))
+        return real(gm, inputs, *args, config_patches=config_patches, **kw)
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        report = _compile_run(options={"xaccel.fallback": "inductor", "epilogue_fusion": False})
+    assert report.graphs[0].fallback_backend == "inductor"
+    assert seen and {k: v for k, v in seen[0].items() if k != "post_grad_custom_pre_pass"} == {"epilogue_fusion": False}
+
+
+def test_precedence_options_over_patch_over_environment(xaccel_env):
+    xaccel_env(XACCEL_FALLBACK="inductor", XACCEL_TUNE="0")
+    assert config.load().fallback == "inductor"
+    with config.patch(fallback="eager"):
+        assert (config.load().fallback, config.current().fallback, config.current().tune) == ("eager", "eager", False)
+        assert config.load({"fallback": "auto"}).fallback == "auto"
+        with config.applying({"fallback": "inductor"}):  # what the backend does with a compile's options
+            assert config.current().fallback == "inductor"
+        assert config.current().fallback == "eager"
+    assert config.current().fallback == "inductor"
+    # through torch.compile (XACCEL_CHOOSE=0: the planned rest is the fallback's)
+    assert _compile_run().graphs[0].fallback_backend == "inductor"
+    torch._dynamo.reset()
+    with config.patch(fallback="eager"):
+        assert _compile_run().graphs[0].fallback_backend == "eager"
+        torch._dynamo.reset()
+        assert _compile_run(options={"xaccel.fallback": "inductor"}).graphs[0].fallback_backend == "inductor"
+
+
+def test_patch_as_context_manager_decorator_and_pair():
+    before = config.current()
+    with config.patch(fallback="eager", patterns="gemm_epilogue") as p:
+        assert isinstance(p, config.patch)
+        assert (config.current().fallback, config.current().patterns) == ("eager", frozenset({"gemm_epilogue"}))
+        with config.patch({"xaccel.fallback": "inductor"}):  # nested; option keys work too
+            assert config.current().fallback == "inductor"
+        assert config.current().fallback == "eager"
+    assert config.current() == before
+
+    @config.patch({"tune": False})
+    def inside():
+        return config.current().tune
+    assert inside() is False and config.current().tune is True
+    with config.patch("choose", True):
+        assert config.current().choose is True
+
+
+def test_patch_restores_on_exceptions():
+    before = config.current()
+    with pytest.raises(KeyError):
+        with config.patch(disable=True):
+            raise KeyError("boom")
+    assert config.current() == before
+
+    @config.patch(disable=True)
+    def fails():
+        assert config.current().disable
+        raise RuntimeError("boom")
+    with pytest.raises(RuntimeError):
+        fails()
+    assert config.current() == before
+
+
+def test_patch_must_hold_at_the_first_call_which_compiles():
+    compiled = torch.compile(fn, backend="xaccel")
+    with config.patch(disable=True):  # not yet compiled: torch.compile() itself reads nothing
+        pass
+    x, w = torch.randn(8, 4), torch.randn(6, 4)
+    with collect() as graphs, config.patch(disable=True):
+        compiled(x, w)
+    assert graphs[0].disabled
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(fallback="tvm"), r"config.patch\(fallback='tvm'\) is invalid; allowed: auto, eager, inductor"),
+    (dict(patterns="gemm_epilogue,attention"), r"config.patch\(patterns=.*\(attention\).*gemm_epilogue"),
+    (dict(compile_threads=0), "allowed: a whole number >= 1"),
+    (dict(tune="sometimes"), "allowed: 0 or 1"),
+    (dict(disable=None), "allowed: 0 or 1"),
+    (dict(fallbak="eager"), "unknown setting 'fallbak'; the settings are disable, patterns, fallback"),
+])
+def test_patch_validates_at_its_call(kwargs, match):
+    before = config.current()
+    with pytest.raises(torch_xaccel.XaccelConfigError, match=match):
+        config.patch(**kwargs)
+    assert config.current() == before
+
+
+# -- invalid values reach the user as XaccelConfigError at the first call -------------------------
+
+@pytest.mark.parametrize("options, match", [
+    ({"xaccel.fallback": "tvm"}, r"options=\{'xaccel.fallback': 'tvm'\} is invalid; allowed: auto, eager, inductor"),
+    ({"xaccel.patterns": "attention"}, r"\(attention\); allowed: a comma-separated subset of"),
+    ({"xaccel.compile_threads": "many"}, "allowed: a whole number >= 1"),
+    ({"xaccel.fallbak": "eager"}, "unknown option 'xaccel.fallbak'; the xaccel options are xaccel.disable, "
+                                  "xaccel.patterns, xaccel.fallback"),
+    ({"no_such_knob": True}, "unknown option 'no_such_knob'"),  # an Inductor key: the same error type
+])
+def test_invalid_options_raise_at_the_first_call(options, match):
+    compiled = torch.compile(fn, backend="xaccel", options=options)  # nothing compiles yet
+    x, w = torch.randn(8, 4), torch.randn(6, 4)
+    with pytest.raises(torch_xaccel.XaccelConfigError, match=match) as err:
+        compiled(x, w)
+    # also a ValueError, and still what torch raises for a failing backend
+    assert isinstance(err.value, ValueError) and isinstance(err.value, torch._dynamo.exc.BackendCompilerFailed)
+    assert "backend='xaccel' raised" in str(err.value)
+
+
+def test_invalid_variable_raises_at_each_first_call_until_fixed(xaccel_env, monkeypatch):
+    xaccel_env(XACCEL_FALLBACK="tvm")
+    compiled = torch.compile(fn, backend="xaccel")
+    x, w = torch.randn(8, 4), torch.randn(6, 4)
+    for _ in range(2):  # not cached as a failure: every call tries to compile again
+        try:
+            compiled(x, w)
+            raise AssertionError("no error")
+        except torch_xaccel.XaccelConfigError as e:  # the user's except catches it
+            assert "XACCEL_FALLBACK='tvm' is invalid" in str(e)
+    monkeypatch.delenv("XACCEL_FALLBACK")
+    torch.testing.assert_close(compiled(x, w), fn(x, w), rtol=1e-5, atol=1e-6)
+
+
+def test_error_at_compile_pickles_as_the_plain_error():
+    from torch_xaccel.errors import XaccelConfigError, at_compile
+
+    err = at_compile(XaccelConfigError("XACCEL_TUNE='x' is invalid"))
+    assert at_compile(err) is err
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is XaccelConfigError and str(back) == "XACCEL_TUNE='x' is invalid"
+
+
+# -- options read while Dynamo traces and while a graph runs --------------------------------------
+
+@torch._dynamo.assume_constant_result
+def _traced_fallback_is_eager() -> bool:
+    """As the library substitutions read the config: while Dynamo traces, before the backend runs."""
+    return config.current().fallback == "eager"
+
+
+def _branches(x):
+    return x * 2 if _traced_fallback_is_eager() else x * 3
+
+
+def test_options_apply_while_dynamo_traces():
+    x = torch.ones(3)
+    assert torch.equal(torch.compile(_branches, backend="xaccel")(x), x * 3)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(_branches, backend="xaccel", options={"xaccel.fallback": "eager"})(x), x * 2)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(_branches, backend="eager")(x), x * 3)  # another backend: none
+    torch._dynamo.reset()
+    with config.patch(fallback="eager"):
+        assert torch.equal(torch.compile(_branches, backend="xaccel")(x), x * 2)
+
+
+def test_kernel_settings_given_as_options_apply_at_the_graphs_calls():
+    """tune, cutlass, compile_threads and cache_dir are read when a kernel is built (any call):
+    a graph compiled with them as options runs with them; other options need no wrapper."""
+    def probe():
+        return config.current().tune, config.current().fallback
+
+    run = config.calling_with(probe, {"tune": False, "fallback": "eager"})
+    assert run() == (False, "auto") and probe() == (True, "auto")
+    assert config.calling_with(probe, {"fallback": "eager"}) is probe
+
+
+@pytest.mark.parametrize("options", [{"xaccel.patterns": "gemm_epilogue"}, {"xaccel.disable": True}])
+def test_options_switch_off_the_library_substitutions(options, monkeypatch):
+    """The xlstm package's mLSTM kernels are substituted while Dynamo traces (before the backend
+    sees the options): they read the compile's options there too, and trace the library's code."""
+    pytest.importorskip("xlstm.xlstm_large.model")
+    from tests.helpers import rel_err
+    from tests.mlstm.test_xlstm_package import _model
+    from torch_xaccel import backend
+
+    traced = []
+    real = backend._compile
+
+    def spy(gm, *args):
+        traced.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return real(gm, *args)
+    monkeypatch.setattr(backend, "_compile", spy)
+    model, tokens = _model(), torch.randint(0, 97, (2, 32))
+    with torch.no_grad(), collect() as graphs:
+        want = model(tokens)
+        got = torch.compile(model, backend="xaccel")(tokens)
+        assert any(t.startswith("xaccel.mlstm") for t in traced)  # substituted without the options
+        traced.clear()
+        torch._dynamo.reset()
+        got = torch.compile(model, backend="xaccel", options=options)(tokens)
+    assert rel_err(got, want) <= 1e-5
+    assert traced and not any(t.startswith("xaccel.mlstm") for t in traced), traced
+    assert Report(graphs=graphs[-1:]).counts()["mlstm"] == 0

@@ -3,31 +3,57 @@ generated kernels.  Use it with `torch.compile(model, backend="xaccel")` (no imp
 installed) and ask `torch_xaccel.explain(model, *inputs)` what it replaced and why not."""
 from __future__ import annotations
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is written: pyproject.toml reads it (a literal, read without import)
 
 
 def _map_top_level_folders_in_a_checkout() -> None:
-    """Installed, lowering/ and codegen/ live inside this package (a package-dir mapping). Run
-    straight from a source checkout (no install), let the same names resolve to the top-level
-    folders of the design card by searching the checkout root too."""
+    """Installed from a wheel, lowering/, codegen/ and csrc/ live inside this package. In a source
+    checkout (run from it, or installed editable) they are top-level folders beside it (the design
+    card's layout): torch_xaccel.lowering and the others then come from this checkout's folders,
+    whatever another editable install maps those names to, and nothing else of the checkout (its
+    tests/) becomes part of the package."""
+    import importlib.abc
+    import importlib.machinery
     import importlib.util
     import os
+    import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if (importlib.util.find_spec(__name__ + ".lowering") is None
-            and os.path.isfile(os.path.join(root, "lowering", "__init__.py"))):
-        __path__.append(root)  # noqa: F821 - the package's own search path
+    folders = {name for name in ("lowering", "codegen", "csrc")
+               if os.path.isfile(os.path.join(root, name, "__init__.py"))}
+    if not folders:
+        return
+
+    class CheckoutFolders(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path=None, target=None):
+            parts = fullname.split(".")
+            if len(parts) < 2 or parts[0] != __name__ or parts[1] not in folders:
+                return None
+            if len(parts) > 2:  # a module inside: found along its package's path (this checkout's)
+                return importlib.machinery.PathFinder.find_spec(fullname, path)
+            folder = os.path.join(root, parts[1])
+            return importlib.util.spec_from_file_location(fullname, os.path.join(folder, "__init__.py"),
+                                                          submodule_search_locations=[folder])
+
+    if not any(type(f).__name__ == "CheckoutFolders" and getattr(f, "root", None) == root for f in sys.meta_path):
+        finder = CheckoutFolders()
+        finder.root = root
+        sys.meta_path.insert(0, finder)
 
 
 _map_top_level_folders_in_a_checkout()
 
 # after the search path is set (lowering and codegen resolve through it)
-from . import ops  # noqa: E402, F401  (registers torch.ops.xaccel.*)
+from . import logs  # noqa: E402
+
+logs.register()  # TORCH_LOGS="xaccel" (logs.py)
+
+from . import config, ops  # noqa: E402, F401  (ops registers torch.ops.xaccel.*; config: config.patch)
 from .errors import XaccelConfigError, XaccelFallbackWarning  # noqa: E402
 from .explain import explain  # noqa: E402
 from .report import FAMILIES, Report, last_report  # noqa: E402
 
-__all__ = ["explain", "Report", "FAMILIES", "last_report", "XaccelConfigError", "XaccelFallbackWarning"]
+__all__ = ["config", "explain", "Report", "FAMILIES", "last_report", "XaccelConfigError", "XaccelFallbackWarning"]
 
 
 def _register_without_entry_point() -> None:

@@ -3,7 +3,13 @@
 Dynamo graph -> ATen pre-dispatch IR -> pattern passes -> aot_autograd (xaccel ops bring their own
 backward) -> the rest runs eagerly, or through Inductor with XACCEL_FALLBACK=inductor.
 Any exception in that pipeline is reported and the captured graph runs unmodified: compiling never
-fails because of xaccel. (An invalid XACCEL_* value is the one exception: it raises a clear error.)
+fails because of xaccel. (An invalid setting is the one exception: an XACCEL_* variable, an
+`xaccel.*` option or an Inductor option that does not hold raises XaccelConfigError, which
+reaches the compiled model's caller as itself: errors.at_compile.)
+
+Settings (config.py): the environment, then config.patch, then torch.compile's `xaccel.*`
+options; its other options (and mode=) are Inductor's (modes.py). The report goes to the
+`torch_xaccel` logger (logs.py; TORCH_LOGS="xaccel"), never to stdout.
 
 This module must not call torch._dynamo.register_backend for "xaccel": torch loads it from the entry
 point and registers the function itself; a second registration fails with "duplicate name".
@@ -12,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import warnings
 
 import torch
@@ -26,11 +33,12 @@ from . import (
     eager_calls,
     families,
     gradient_sums,
+    logs,
     ops,  # noqa: F401  (registers torch.ops.xaccel.*)
     regions,
 )
 from .codegen import precision
-from .errors import XaccelFallbackWarning
+from .errors import XaccelConfigError, XaccelFallbackWarning, at_compile
 from .modes import CUDAGRAPHS, describe, rest_options, warn_inductor_only
 from .report import Fallback, new_graph_report, publish
 
@@ -76,12 +84,21 @@ def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str, patch
     passes); Inductor fuses the backward's elementwise ops itself. rest_pass (eager only, without
     CUDA graphs): rewrites every graph that runs eagerly, last (the families' rest passes)."""
     rest = rest_pass or (lambda g, _name: g)
+    overrides = _config.active_overrides()  # the compile's options, for the backward's kernels too
     if fallback == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
         from .inductor_cache import prepare
 
-        return compile_fx(gm, example_inputs, config_patches=prepare(gm, patches))
+        if not _holds_xaccel_ops(gm):  # the captured graph as it is
+            return compile_fx(gm, example_inputs, config_patches=prepare(gm, patches))
+        # a graph with xaccel ops: without donated buffers. With them, aot_autograd let the backward write
+        # into a saved tensor that is also a forward output (a model's logits, overwritten by its
+        # gradient) in a lowered graph with regions put back (transformers' xLSTM train step)
+        import torch._functorch.config as functorch_config
+
+        with functorch_config.patch(donated_buffer=False):
+            return compile_fx(gm, example_inputs, config_patches=prepare(gm, patches, "-no-donated-buffers"))
     if patches.get(CUDAGRAPHS):
         from .graphed_rest import compile_graphed
 
@@ -97,7 +114,7 @@ def _compile_rest(gm: torch.fx.GraphModule, example_inputs, fallback: str, patch
     def run_backward(g, _inputs):
         if backward_pass is not None:
             g = backward_pass(g)
-        return make_boxed_func(eager_calls.rewrite(rest(g, "backward")).forward)
+        return make_boxed_func(_config.calling_with(eager_calls.rewrite(rest(g, "backward")).forward, overrides))
 
     return aot_autograd(fw_compiler=run_eagerly, bw_compiler=run_backward)(gm, example_inputs)
 
@@ -284,16 +301,32 @@ def _run_unchosen(gm, lowered, example_inputs, cfg, patches, report, training):
 
 
 def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **options):
-    """torch.compile(..., backend="xaccel"[, mode=..., options=...]); see modes.py for the mode."""
+    """torch.compile(..., backend="xaccel"[, mode=..., options=...]): `xaccel.*` options are
+    torch_xaccel's settings for this compile (config.py), the others and the mode Inductor's
+    (modes.py)."""
     families.install_trace_hooks()  # a library imported after the backend loaded: its next trace
-    cfg = _config.load()
-    patches = rest_options(options)  # an unknown mode or option raises, like an invalid XACCEL_* value
+    try:
+        overrides, inductor_options = _config.split_options(options.get("options"))
+        cfg = _config.load(overrides)
+        # an unknown mode or Inductor option raises, like an invalid XACCEL_* value
+        patches = rest_options({**options, "options": inductor_options} if "options" in options else options)
+    except XaccelConfigError as e:
+        raise at_compile(e) from None  # (not wrapped by Dynamo: the user's except catches it)
+    with _config.applying(overrides):  # kernel providers' config.current() during the compile
+        compiled = _compile(gm, example_inputs, options, cfg, overrides, patches)
+    return _config.calling_with(compiled, overrides)  # ... and at the graph's calls
+
+
+def _compile(gm, example_inputs, options: dict, cfg, overrides: dict, patches: dict):
+    if logs.log.isEnabledFor(logging.DEBUG):
+        logs.log.debug("compiling a graph of %d nodes with %s", len(gm.graph.nodes), _config.describe(cfg, overrides))
     choosing = cfg.choose and not patches.get(CUDAGRAPHS)  # (CUDA graphs: not measured yet)
     # the rest the passes plan for: XACCEL_FALLBACK's, "auto" while the choice is open
     planned_rest = cfg.fallback if choosing or cfg.fallback != "auto" else "eager"
     if planned_rest == "eager":
         warn_inductor_only(patches)
     report = new_graph_report()
+    report.force_log = cfg.log
     report.fallback_backend, report.patterns = planned_rest, tuple(sorted(cfg.patterns))
     settings = describe(options.get("mode") or "default", patches, planned_rest)
     restarting = False
@@ -356,8 +389,4 @@ def xaccel_backend(gm: torch.fx.GraphModule, example_inputs, **options):
         return gm.forward
     finally:
         if not restarting:
-            publish(report)
-        if cfg.log and not restarting:
-            from .report import Report
-
-            print(Report(graphs=[report]), flush=True)
+            publish(report)  # (and logged: TORCH_LOGS="xaccel" or XACCEL_LOG=1)

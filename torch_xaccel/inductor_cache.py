@@ -36,16 +36,21 @@ if CustomGraphPass is not None:
     class XaccelOpsKey(CustomGraphPass):
         """Changes nothing; its uuid keys Inductor's caches by the xaccel ops' definitions."""
 
+        def __init__(self, how: str = ""):
+            self.how = how
+
         def __call__(self, graph: torch.fx.Graph) -> None:
             return None
 
         def uuid(self) -> str:
-            return "xaccel-ops-" + ops_digest()
+            return "xaccel-ops-" + ops_digest() + self.how
 
 
-def prepare(gm: torch.fx.GraphModule, patches: dict) -> dict:
+def prepare(gm: torch.fx.GraphModule, patches: dict, how: str = "") -> dict:
     """Drop the per-process ShapeEnv and the example inputs from the lowered graph; return the
-    config patches with the ops-digest pass added, unless the user set that pass slot already."""
+    config patches with the ops-digest pass added, unless the user set that pass slot already.
+    `how`: settings outside Inductor's cache key that the build depends on (functorch's donated
+    buffers are not in it: a graph built with them would be reused without them)."""
     from torch._inductor import config as inductor_config
 
     gm.__dict__.pop("shape_env", None)
@@ -53,4 +58,4 @@ def prepare(gm: torch.fx.GraphModule, patches: dict) -> dict:
     slot = "post_grad_custom_pre_pass"
     if CustomGraphPass is None or slot in patches or getattr(inductor_config, slot, None) is not None:
         return patches
-    return {**patches, slot: XaccelOpsKey()}
+    return {**patches, slot: XaccelOpsKey(how)}

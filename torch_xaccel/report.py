@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import textwrap
 from collections import deque
 from dataclasses import dataclass, field
 
+from . import logs
 from .families import REPORT_KEYS
 
 FAMILIES = REPORT_KEYS  # counts() keys, in order (families.py)
@@ -29,7 +31,8 @@ class Fallback:
 
 @dataclass
 class GraphReport:
-    """One Dynamo graph's compile."""
+    """One Dynamo graph's compile. Once published, a choice made later (the measured choice decides
+    at the graph's first call, after the compile) is logged as it is set (logs.py)."""
     index: int
     replacements: list[Replacement] = field(default_factory=list)
     fallbacks: list[Fallback] = field(default_factory=list)
@@ -43,6 +46,13 @@ class GraphReport:
     chosen: str = ""  # the candidate that runs the graph (choice.py), once chosen
     choice: str = ""  # the report's line for it: the candidate and the times that chose it
     region_choices: list = field(default_factory=list)  # per kind of region: kept or put back, and the times
+    force_log: bool = field(default=False, repr=False, compare=False)  # XACCEL_LOG: logged whatever TORCH_LOGS says
+    published: bool = field(default=False, repr=False, compare=False)
+
+    def __setattr__(self, name, value) -> None:
+        object.__setattr__(self, name, value)
+        if name == "choice" and value and getattr(self, "published", False):
+            logs.info("graph %d: %s", self.index, value, force=self.force_log)
 
 
 POINTWISE_HINT = 16  # from this many eager pointwise ops on, the report suggests Inductor for the rest
@@ -73,7 +83,7 @@ class Report:
     def __str__(self) -> str:
         lines = [f"torch_xaccel report: {len(self.graphs)} graph(s), {len(self.graph_breaks)} graph break(s)"]
         if any(g.disabled for g in self.graphs):
-            lines.append("  XACCEL_DISABLE=1: graphs ran as captured, nothing replaced")
+            lines.append("  disabled (XACCEL_DISABLE=1 or xaccel.disable): graphs ran as captured, nothing replaced")
         counts = ", ".join(f"{k}={v}" for k, v in self.counts().items())
         lines.append(f"  replaced: {counts}")
         lines += [f"  {s}" for s in dict.fromkeys(g.settings for g in self.graphs if g.settings)]
@@ -149,10 +159,14 @@ def new_graph_report() -> GraphReport:
 
 
 def publish(report: GraphReport) -> None:
+    """Keep the compile's report (last_report, explain's collectors) and log it at INFO."""
     report.generation = _dynamo_generation(after_compile=True)
     RECENT.append(report)
     for c in _COLLECTORS:
         c.append(report)
+    report.published = True
+    if report.force_log or logs.log.isEnabledFor(logging.INFO):  # (formatted now: the report changes later)
+        logs.info("%s", str(Report(graphs=[report])), force=report.force_log)
 
 
 @contextlib.contextmanager
