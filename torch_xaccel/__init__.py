@@ -51,9 +51,10 @@ logs.register()  # TORCH_LOGS="xaccel" (logs.py)
 from . import config, ops  # noqa: E402, F401  (ops registers torch.ops.xaccel.*; config: config.patch)
 from .errors import XaccelConfigError, XaccelFallbackWarning  # noqa: E402
 from .explain import explain  # noqa: E402
-from .report import FAMILIES, Report, last_report  # noqa: E402
+from .families import REPORT_KEYS  # noqa: E402  (the keys of Report.counts(), in order)
+from .report import Report, last_report  # noqa: E402
 
-__all__ = ["config", "explain", "Report", "FAMILIES", "last_report", "XaccelConfigError", "XaccelFallbackWarning"]
+__all__ = ["config", "explain", "Report", "REPORT_KEYS", "last_report", "XaccelConfigError", "XaccelFallbackWarning"]
 
 
 def _register_without_entry_point() -> None:

@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 from . import logs
 from .families import REPORT_KEYS
 
-FAMILIES = REPORT_KEYS  # counts() keys, in order (families.py)
-
 
 @dataclass(frozen=True)
 class Replacement:
@@ -75,7 +73,7 @@ class Report:
         return [f for g in self.graphs for f in g.fallbacks] + list(self.graph_breaks)
 
     def counts(self) -> dict[str, int]:
-        out = {f: 0 for f in FAMILIES}
+        out = {f: 0 for f in REPORT_KEYS}
         for r in self.replacements:
             out[r.family] = out.get(r.family, 0) + 1
         return out
