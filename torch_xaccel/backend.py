@@ -30,6 +30,7 @@ from torch._dynamo.exc import RestartAnalysis as _RestartAnalysis, TensorifyScal
 from . import (
     choice,
     config as _config,
+    distributed,
     eager_calls,
     families,
     gradient_sums,
@@ -43,6 +44,7 @@ from .modes import CUDAGRAPHS, describe, rest_options, warn_inductor_only
 from .report import Fallback, new_graph_report, publish
 
 families.install_trace_hooks()  # before Dynamo traces anything for this backend
+distributed.prefer_whole_graphs()  # under DDP, whole graphs: optimize_ddp True -> False (distributed.py)
 
 
 def _pointwise_ops(g: torch.fx.GraphModule) -> int:
@@ -327,6 +329,9 @@ def _compile(gm, example_inputs, options: dict, cfg, overrides: dict, patches: d
         warn_inductor_only(patches)
     report = new_graph_report()
     report.force_log = cfg.log
+    split = distributed.split_note(gm)  # one of the DDP optimizer's pieces: say so (distributed.py)
+    if split:
+        report.fallbacks.append(Fallback("ddp_split", split))
     report.fallback_backend, report.patterns = planned_rest, tuple(sorted(cfg.patterns))
     settings = describe(options.get("mode") or "default", patches, planned_rest)
     restarting = False
