@@ -182,3 +182,17 @@ def xaccel_nodes_fit_their_schemas(model) -> None:
         assert written == {k: int(a.type) for k, a in declared.items() if k in written}, node.op_type
         assert {k for k, a in declared.items() if a.required} <= set(written), node.op_type
     onnx.checker.check_model(model, full_check=True)
+
+
+def inductor_patches(monkeypatch) -> list[dict]:
+    """The config patches each call of Inductor's compile_fx receives from now on (it still runs)."""
+    import torch._inductor.compile_fx as cfx
+
+    seen: list[dict] = []
+    real = cfx.compile_fx
+
+    def spy(gm, inputs, *args, config_patches=None, **kw):
+        seen.append(dict(config_patches or {}))
+        return real(gm, inputs, *args, config_patches=config_patches, **kw)
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    return seen

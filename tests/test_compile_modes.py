@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import inductor_patches
 from torch_xaccel.errors import XaccelConfigError
 from torch_xaccel.report import Report, collect
 
@@ -65,15 +66,7 @@ def test_inductor_only_settings_under_the_eager_fallback_warn():
 def test_options_reach_inductor_under_the_inductor_fallback(xaccel_env, monkeypatch):
     """With XACCEL_FALLBACK=inductor the patches go to compile_fx as they are (plus the no-op pass
     that keys Inductor's caches by the xaccel ops, torch_xaccel/inductor_cache.py)."""
-    import torch._inductor.compile_fx as cfx
-
-    seen = []
-    real = cfx.compile_fx
-
-    def spy(gm, inputs, *args, config_patches=None, **kw):
-        seen.append(dict(config_patches or {}))
-        return real(gm, inputs, *args, config_patches=config_patches, **kw)
-    monkeypatch.setattr(cfx, "compile_fx", spy)
+    seen = inductor_patches(monkeypatch)
     xaccel_env(XACCEL_FALLBACK="inductor")
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # nothing is ignored here

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_xaccel
+from tests.helpers import inductor_patches
 from torch_xaccel import config
 from torch_xaccel.report import Report, collect
 
@@ -181,15 +182,7 @@ def test_options_reach_the_compile():
 
 def test_xaccel_and_inductor_options_together(monkeypatch):
     """The xaccel.* keys are taken out; the rest reach Inductor's compile_fx as they did."""
-    import torch._inductor.compile_fx as cfx
-
-    seen = []
-    real = cfx.compile_fx
-
-    def spy(gm, inputs, *args, config_patches=None, **kw):
-        seen.append(dict(config_patches or {}))
-        return real(gm, inputs, *args, config_patches=config_patches, **kw)
-    monkeypatch.setattr(cfx, "compile_fx", spy)
+    seen = inductor_patches(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         report = _compile_run(options={"xaccel.fallback": "inductor", "epilogue_fusion": False})
