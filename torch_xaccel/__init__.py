@@ -25,6 +25,9 @@ def _map_top_level_folders_in_a_checkout() -> None:
         return
 
     class CheckoutFolders(importlib.abc.MetaPathFinder):
+        def __init__(self):
+            self.root = root
+
         def find_spec(self, fullname, path=None, target=None):
             parts = fullname.split(".")
             if len(parts) < 2 or parts[0] != __name__ or parts[1] not in folders:
@@ -36,9 +39,7 @@ def _map_top_level_folders_in_a_checkout() -> None:
                                                           submodule_search_locations=[folder])
 
     if not any(type(f).__name__ == "CheckoutFolders" and getattr(f, "root", None) == root for f in sys.meta_path):
-        finder = CheckoutFolders()
-        finder.root = root
-        sys.meta_path.insert(0, finder)
+        sys.meta_path.insert(0, CheckoutFolders())
 
 
 _map_top_level_folders_in_a_checkout()
