@@ -23,11 +23,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from torch_xaccel.codegen import cache  # noqa: E402
 from torch_xaccel.codegen.gemm_epilogue.render import render_triton  # noqa: E402
 from torch_xaccel.codegen.limits import SHARED_LIMIT  # noqa: E402
-from torch_xaccel.codegen.mlstm import (
-    configs as mlstm_configs,  # noqa: E402
-    settings as mlstm_settings,
-    triton_kernels as mlstm_triton,  # noqa: E402
-)
+from torch_xaccel.codegen.mlstm import configs as mlstm_configs, triton_kernels as mlstm_triton  # noqa: E402
 from torch_xaccel.ops.gemm_epilogue.epilogue_ir import Epilogue  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -108,16 +104,13 @@ def mlstm_kernels(shapes=((128, 128), (256, 512)), all_candidates: bool = False,
                     if key in seen:
                         continue
                     seen.add(key)
-                    extra = (dict(has_state=False, gate_factors=mlstm_settings.current().chunk_scan_factors,
-                                  loads_first=bool(cfg.get("LF")))
+                    extra = (dict(has_state=False, loads_first=bool(cfg.get("LF")))
                              if template == "mlstm_chunk_states.py.jinja" else
                              dict(k_loop="BKQ" in tiles, save_rows=True) if template == "mlstm_fwd.py.jinja" else
                              dict(split_dv="DVS" in tiles)
                              if template in ("mlstm_bwd.py.jinja", "mlstm_bwd_ds.py.jinja") else
-                             dict(row_factors=mlstm_settings.current().scan_row_factors, saved_rows=True)
-                             if template == "mlstm_bwd_rows.py.jinja" else
-                             dict(row_factors=mlstm_settings.current().scan_row_factors, final_grads=False)
-                             if template == "mlstm_bwd_states.py.jinja" else
+                             dict(saved_rows=True) if template == "mlstm_bwd_rows.py.jinja" else
+                             dict(final_grads=False) if template == "mlstm_bwd_states.py.jinja" else
                              dict(has_state=False) if template == "mlstm_bwd_route.py.jinja" else {})
                     fn = _load(*mlstm_triton._render(template, dtype, False, **extra))
                     cons = dict(DK=DK, DV=DV, DKR=DK, DVR=DV, L=cfg["L"],

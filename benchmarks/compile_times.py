@@ -23,7 +23,7 @@ import torch
 def first_call(mode: str, small: bool) -> float:
     from xlstm.xlstm_large.model import xLSTMLarge, xLSTMLargeConfig
 
-    from torch_xaccel.bench import NATIVE_KERNELS
+    from torch_xaccel.bench.model import NATIVE_KERNELS
 
     width, blocks, vocab, (B, S) = (256, 2, 1024, (1, 64)) if small else (4096, 4, 50304, (4, 2048))
     dev, dtype = ("cpu", torch.float32) if small else ("cuda", torch.bfloat16)

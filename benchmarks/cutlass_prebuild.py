@@ -44,7 +44,7 @@ def record_cases(jobs: dict, stats: dict):
 
 
 def run_transformers(modes):
-    from torch_xaccel.bench import transformers_xlstm_without_package
+    from torch_xaccel.bench.model import transformers_xlstm_without_package
 
     modeling = transformers_xlstm_without_package()
     tokens = torch.randint(0, 1024, (1, 320))
@@ -66,7 +66,7 @@ def run_transformers(modes):
 def run_model(modes):
     from xlstm.xlstm_large.model import xLSTMLarge, xLSTMLargeConfig
 
-    from torch_xaccel.bench import NATIVE_KERNELS
+    from torch_xaccel.bench.model import NATIVE_KERNELS
 
     tokens = torch.randint(0, 1024, (1, 320))  # M = 320: above the decode-sized rows
     for mode in modes:

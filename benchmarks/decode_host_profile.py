@@ -21,22 +21,24 @@ import time
 
 import torch
 
-from torch_xaccel import bench
+from torch_xaccel.bench.common import _sync
+from torch_xaccel.bench.model import transformers_cache, transformers_cache_of, transformers_xlstm_without_package
+from torch_xaccel.bench.slstm import _slstm_stack
 
 
 def _per_token(fn, calls: int) -> float:
-    bench._sync()
+    _sync()
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
-    bench._sync()
+    _sync()
     return (time.perf_counter() - t0) / calls * 1e3
 
 
 def _stack_tokens(args, dev):
     """(uncompiled token, compiled token) of the xlstm package's block stack."""
     slstm_at = tuple(int(a) for a in args.slstm_at.split(","))
-    model = bench._slstm_stack(768, args.blocks, slstm_at, "vanilla", args.batch, 1024).eval()
+    model = _slstm_stack(768, args.blocks, slstm_at, "vanilla", args.batch, 1024).eval()
     x = torch.randn(args.batch, 1, 768, device=dev, dtype=torch.bfloat16)
     state = model.step(x)[1]
     compiled = torch.compile(model.step, backend="xaccel")
@@ -45,7 +47,7 @@ def _stack_tokens(args, dev):
 
 def _transformers_tokens(args, dev):
     """(uncompiled token, compiled token) of transformers' model, each with its own cache."""
-    modeling = bench.transformers_xlstm_without_package()
+    modeling = transformers_xlstm_without_package()
     dims = dict(hidden_size=4096, num_heads=8, num_blocks=4) if dev == "cuda" else \
         dict(hidden_size=256, num_heads=4, num_blocks=2)  # (a CPU run checks the script, not the figures)
     cfg = modeling.xLSTMConfig(vocab_size=50304, chunk_size=64, mode="inference", use_cache=False, **dims)
@@ -55,8 +57,8 @@ def _transformers_tokens(args, dev):
     tok = torch.randint(0, 50304, (args.batch, 1), device=dev)
 
     def token_of(fn):
-        cache = bench.transformers_cache_of(fn(prompt, use_cache=True))
-        kw = dict(use_cache=True, **bench.transformers_cache(modeling, cache))
+        cache = transformers_cache_of(fn(prompt, use_cache=True))
+        kw = dict(use_cache=True, **transformers_cache(modeling, cache))
         return lambda: fn(tok, **kw).logits
     return token_of(model), token_of(torch.compile(model, backend="xaccel"))
 

@@ -109,7 +109,7 @@ def cutlass(M, K, N):
         for cfg in cutlass_configs(M) + ([("ptr", 64, 128, 64, 8, 4, 4, 0)] if small and text == GELU_RES else []):
             runs[f"{label} {cfg}"] = lambda case=case, cfg=cfg, outs=outs: case.launch(cfg, outs)
     if small:
-        from torch_xaccel.bench import _graphed
+        from torch_xaccel.bench.common import _graphed
     for rnd in range(2):
         for name, fn in runs.items():
             try:
@@ -130,7 +130,8 @@ def train():
 
     from torch.profiler import ProfilerActivity, profile
 
-    from torch_xaccel.bench import mlp_train, tuning_report
+    from torch_xaccel.bench.common import tuning_report
+    from torch_xaccel.bench.gemm_epilogue import mlp_train
 
     t0 = time.time()
     case = mlp_train(16384)

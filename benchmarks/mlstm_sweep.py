@@ -1,20 +1,23 @@
-"""Which tile configuration of the generated mLSTM kernels is fastest on this GPU, and what do the
-kernels' A/B forms (codegen/mlstm/settings.py) cost? Times configs on the GPU (bf16), to pick the
-defaults in codegen/mlstm/configs.py:
+"""Which tile configuration of the generated mLSTM kernels is fastest on this GPU? Times configs on
+the GPU (bf16), to pick the defaults in codegen/mlstm/configs.py:
 
-    python benchmarks/mlstm_sweep.py [--quick] [--sliced] [--profile] [--scan-ab] [--bwd-kept] [--route-ab]
-                                     [--variants JSON] [--shapes B,H,S,DK,DV;...]
+    python benchmarks/mlstm_sweep.py [--quick] [--sliced] [--profile] [--bwd-kept] [--variants JSON]
+                                     [--shapes B,H,S,DK,DV;...]
 
 Each line: shape, phase, config, median ms, and the relative error of h (forward) or dq
-(backward) against the default config, so a config that breaks the math cannot win.
+(backward) against the default config, so a config that breaks the math cannot win. The configs
+are timed as given (the kernels' own tuning off: XACCEL_TUNE=0, over this script's own cache
+directory unless XACCEL_CACHE_DIR is set, so the op's calls run the default configs).
 """
 import argparse
 import json
+import os
+import tempfile
 
 import torch
 import triton.testing
 
-from torch_xaccel.codegen.mlstm import configs as mlstm_configs, settings, triton_kernels as tm
+from torch_xaccel.codegen.mlstm import configs as mlstm_configs, triton_kernels as tm
 
 SHAPES = [(8, 16, 8192, 128, 128), (8, 8, 4096, 256, 512)]
 
@@ -29,8 +32,20 @@ def _kept_forward(shape):
     """(inputs, h, a random dh, the kept chunk states) of one training forward at chunk 64: what
     a backward from kept states starts from."""
     x = _inputs(*shape)
-    h, C, n, m, *kept = tm.forward(None, *x, None, None, None, 1e-6, 64, keep_chunk_states=True)
+    h, C, n, m, *kept = tm.forward(None, *x, None, None, None, 1e-6, 64, save=True)
     return x, h, torch.randn_like(h), [*kept, C, n, m]
+
+
+def _forward(cfg, x):
+    """The forward kernels at one config (what tm.forward runs once its config is picked)."""
+    return tm._forward(cfg, *x, None, None, None, 1e-6)
+
+
+def _backward(cfg, x, h, dh, kept=()):
+    """The backward kernels at one config, reading the forward's kept chunk states where given
+    (and walking their chunk), with no gradient of the final state."""
+    gm = torch.zeros(h.shape[:2], device=h.device)
+    return tm._backward(cfg, dh, None, None, gm, *x, None, None, None, 1e-6, h, tm._kept_states(kept, x[0], x[2], 64))
 
 
 def _rel(a, b):
@@ -39,31 +54,25 @@ def _rel(a, b):
 
 def sweep(shape, fwd_cfgs, bwd_cfgs):
     x = _inputs(*shape)
-    default_f, default_b = mlstm_configs.forward_config, mlstm_configs.backward_config
-    h_ref = tm.forward(None, *x, None, None, None, 1e-6, 64)[0]
+    DK, DV = shape[3], shape[4]
+    h_ref = _forward(mlstm_configs.forward_config(DK, DV), x)[0]
     dh = torch.randn_like(h_ref)
-    g_ref = tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h_ref) if bwd_cfgs else None
+    g_ref = _backward(mlstm_configs.backward_config(DK, DV), x, h_ref, dh) if bwd_cfgs else None
     for cfg in fwd_cfgs:
-        mlstm_configs.forward_config = lambda DK, DV, itemsize=2, c=cfg: dict(c)
         try:
-            h = tm.forward(None, *x, None, None, None, 1e-6, 64)[0]
-            ms = triton.testing.do_bench(lambda: tm.forward(None, *x, None, None, None, 1e-6, 64), warmup=10, rep=50)
+            h = _forward(cfg, x)[0]
+            ms = triton.testing.do_bench(lambda: _forward(cfg, x), warmup=10, rep=50)  # noqa: B023
             print(f"{shape} fwd {cfg}: {ms:.3f} ms  rel {_rel(h, h_ref):.1e}", flush=True)
         except Exception as e:  # noqa: BLE001 - a config that does not build is a finding
             print(f"{shape} fwd {cfg}: FAILED {type(e).__name__}: {str(e)[:100]}", flush=True)
-    mlstm_configs.forward_config = default_f
     for cfg in bwd_cfgs:
-        mlstm_configs.backward_config = lambda DK, DV, itemsize=2, c=cfg: dict(c)
         try:
-            g = tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h_ref)
-            ms = triton.testing.do_bench(
-                lambda: tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h_ref),
-                warmup=5, rep=30)
+            g = _backward(cfg, x, h_ref, dh)
+            ms = triton.testing.do_bench(lambda: _backward(cfg, x, h_ref, dh), warmup=5, rep=30)  # noqa: B023
             print(f"{shape} bwd {cfg}: {ms:.3f} ms  rel dq {_rel(g[0], g_ref[0]):.1e} df {_rel(g[4], g_ref[4]):.1e}",
                   flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"{shape} bwd {cfg}: FAILED {type(e).__name__}: {str(e)[:100]}", flush=True)
-    mlstm_configs.backward_config = default_b
 
 
 def kernel_times(fn, calls: int = 3):
@@ -84,13 +93,13 @@ def kernel_times(fn, calls: int = 3):
 
 def profile(shape):
     """Per-kernel CUDA time of one forward + backward through the op and autograd (glue, casts and
-    the .grad accumulation included), at the default configs; then the op's fwd+bwd timed with
+    the .grad accumulation included), at the default configs (XACCEL_TUNE=0, main); then the op's fwd+bwd timed with
     .grad accumulating (as the bench and the anchors' script do) and with .grad reset to None before
     each call (as after optimizer.zero_grad()), beside the xLSTM library's when importable."""
     x = [t.detach().requires_grad_() for t in _inputs(*shape)]
 
     def op():  # what a training graph runs: the backward reads the forward's chunk states
-        return torch.ops.xaccel.mlstm_with_chunk_states(*x, None, None, None, 1e-6, 64)[0]
+        return torch.ops.xaccel.mlstm_saving(*x, None, None, None, 1e-6, 64)[0]
     runs = {"xaccel": op}
     try:
         from mlstm_kernels.torch import get_mlstm_kernel
@@ -127,74 +136,38 @@ def kernel_resources():
                           f"spills {k.n_spills:5d} B shared {k.metadata.shared:6d} B", flush=True)
 
 
-def scan_ab(shape, only=()):
-    """The two sequential scans with their gate terms recomputed at every step (the switch off)
-    and precomputed in parallel (on): the forward (chunk_scan_factors: mlstm_chunk_gates before
-    the chunk-state scan) and the backward from kept chunk states, what training runs
-    (scan_row_factors: row factors from mlstm_bwd_rows); and that backward with mlstm_bwd_rows
-    reading the forward's den and m_t per row or recomputing q k^T (saved_rows), and with its
-    tail in torch or in one kernel (fused_route; --route-ab runs only that); per-kernel times,
-    launches, median times, and the outputs' difference between the two (bf16: both carry their
-    own rounding)."""
-    x, h, dh, states = _kept_forward(shape)
-    bwd = lambda: tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h, states)  # noqa: E731
-    phases = {"chunk_scan_factors": lambda: tm.forward(None, *x, None, None, None, 1e-6, 64, keep_chunk_states=True),
-              "scan_row_factors": bwd, "saved_rows": bwd, "fused_route": bwd}
-    for flag, run in phases.items():
-        if only and flag not in only:
-            continue
-        outs = {}
-        for value in (False, True):
-            with settings.override(**{flag: value}):
-                outs[value] = run()
-                total, rows = kernel_times(run)
-                ms = triton.testing.do_bench(run, warmup=10, rep=50)
-            print(f"{shape} {flag}={value}: {ms:.3f} ms (kernels {total:.3f}, {sum(r[1] for r in rows)} launches)",
-                  flush=True)
-            for kms, k, key in rows[:6]:
-                print(f"{shape}   {kms:8.3f} ms x{k:<3d} {key[:90]}", flush=True)
-        errs = " ".join(f"{_rel(a, b):.1e}" for a, b in zip(outs[True][:5], outs[False][:5]))
-        print(f"{shape} {flag} True vs False, first five outputs: {errs}", flush=True)
-
-
 def backward_kept(shape, cfgs):
     """The backward from the forward's kept chunk states (what a training graph runs) at each
     config: median ms, the kernels' times, and every input gradient's difference from the first
     config's (bf16: a few 1e-3 between right configs)."""
     x, h, dh, states = _kept_forward(shape)
-    ref, default_b = None, mlstm_configs.backward_config
-    try:
-        for cfg in cfgs:
-            mlstm_configs.backward_config = lambda DK, DV, itemsize=2, c=cfg: dict(c)
-            run = lambda: tm.backward(None, dh, None, None, None, *x, None, None, None, 1e-6, 64, h, states)  # noqa: E731
-            try:
-                got = run()
-                ref = ref or got  # the first config that runs
-                total, rows = kernel_times(run)
-                ms = triton.testing.do_bench(run, warmup=10, rep=50)
-                errs = " ".join(f"{_rel(a, b):.1e}" for a, b in zip(got[:5], ref[:5]))
-                print(f"{shape} bwd kept {cfg}: {ms:.3f} ms (kernels {total:.3f})  vs first: {errs}", flush=True)
-                for kms, k, key in rows[:7]:
-                    print(f"{shape}   {kms:8.3f} ms x{k:<3d} {key[:90]}", flush=True)
-            except Exception as e:  # noqa: BLE001 - a config that does not build is a finding
-                print(f"{shape} bwd kept {cfg}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
-    finally:
-        mlstm_configs.backward_config = default_b
+    ref = None
+    for cfg in cfgs:
+        run = lambda: _backward(cfg, x, h, dh, states)  # noqa: E731, B023
+        try:
+            got = run()
+            ref = ref or got  # the first config that runs
+            total, rows = kernel_times(run)
+            ms = triton.testing.do_bench(run, warmup=10, rep=50)
+            errs = " ".join(f"{_rel(a, b):.1e}" for a, b in zip(got[:5], ref[:5]))
+            print(f"{shape} bwd kept {cfg}: {ms:.3f} ms (kernels {total:.3f})  vs first: {errs}", flush=True)
+            for kms, k, key in rows[:7]:
+                print(f"{shape}   {kms:8.3f} ms x{k:<3d} {key[:90]}", flush=True)
+        except Exception as e:  # noqa: BLE001 - a config that does not build is a finding
+            print(f"{shape} bwd kept {cfg}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
 
 
 def main():
-    settings.configure(tune=False)  # fixed configs: this script times them itself
+    os.environ["XACCEL_TUNE"] = "0"  # fixed configs: this script times them itself
+    os.environ.setdefault("XACCEL_CACHE_DIR", os.path.join(tempfile.gettempdir(), "xaccel-mlstm-sweep"))
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sliced", action="store_true",
                     help="only the forward: the whole-tile kernel's first config and the sliced kernel's neighbours"
                          " (mlstm_configs.sliced_sweep_configs)")
     ap.add_argument("--profile", action="store_true", help="only the per-kernel profile at the default configs")
-    ap.add_argument("--scan-ab", action="store_true", help="only the two scans with and without precomputed gate terms")
     ap.add_argument("--bwd-kept", action="store_true",
                     help="only the backward from kept chunk states, at every backward candidate")
-    ap.add_argument("--route-ab", action="store_true", help="only the backward's tail in torch and fused (fused_route)")
-    ap.add_argument("--ab", default="", help="with --scan-ab: only these switches (comma-separated, e.g. saved_rows)")
     ap.add_argument("--variants", default="[]",
                     help='with --bwd-kept: also each of these key overrides (a JSON list, e.g. [{"SW": 8}]) applied '
                          "to each of the first --variant-bases candidates")
@@ -219,12 +192,6 @@ def main():
             extra = [mlstm_configs.fit(dict(c, **v), DK, DV) for c in cands[:args.variant_bases]
                      for v in json.loads(args.variants)]
             backward_kept(shape, cands + extra)
-            continue
-        if args.route_ab:
-            scan_ab(shape, ["fused_route"])
-            continue
-        if args.scan_ab:
-            scan_ab(shape, [f for f in args.ab.split(",") if f])
             continue
         if args.quick:
             fwd, bwd = fwd[:4], bwd[:2]

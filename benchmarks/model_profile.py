@@ -42,7 +42,7 @@ def model(mode: str, **kernels):
     """The 7B-width xLSTMLarge, bf16 on CUDA, in its native configuration unless `kernels` says otherwise."""
     from xlstm.xlstm_large.model import xLSTMLarge, xLSTMLargeConfig
 
-    from torch_xaccel.bench import NATIVE_KERNELS
+    from torch_xaccel.bench.model import NATIVE_KERNELS
 
     cfg = xLSTMLargeConfig(vocab_size=50304, chunk_size=64, mode=mode, return_last_states=mode == "train",
                            embedding_dim=4096, num_heads=8, num_blocks=4, **{**NATIVE_KERNELS, **kernels})
@@ -94,7 +94,7 @@ def gemm_floor(tokens: int = 4 * 2048) -> None:
           f"({flop / fwd_ms / 1e9:.0f} TFLOP/s), train step {train_ms:.3f} ms "
           f"({3 * flop / train_ms / 1e9:.0f} TFLOP/s); "
           f"{flop / 1e12:.2f} TFLOP per forward", flush=True)
-    from torch_xaccel.bench import ANCHOR_KERNELS
+    from torch_xaccel.bench.model import ANCHOR_KERNELS
 
     for mode in ("prefill", "train"):
         m = model("inference" if mode == "prefill" else "train", **ANCHOR_KERNELS)
@@ -252,7 +252,7 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - report and go on to the next mode
             print(f"{mode}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
     if args.tuning:
-        from torch_xaccel.bench import tuning_report
+        from torch_xaccel.bench.common import tuning_report
         print(tuning_report(since), flush=True)
 
 

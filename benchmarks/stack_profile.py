@@ -21,7 +21,7 @@ import torch
 from model_profile import idle_gaps  # benchmarks/ is on the path when this script runs
 from torch.profiler import ProfilerActivity, profile
 
-from torch_xaccel.bench import _slstm_stack
+from torch_xaccel.bench.slstm import _slstm_stack
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install (no network there), the whole test suite (CPU + gpu-marked), the demo on
-# CUDA, then the benchmark suite given as arguments (e.g. `gemm --no-max-autotune`). Logs go to $OUT.
+# CUDA, then the benchmark suite given as arguments (e.g. `gemm_epilogue --no-max-autotune`). Logs go to $OUT.
 # Env: SKIP_TESTS=1, BENCH_FIRST=1, TEST_TIMEOUT=s, BENCH_TIMEOUT=s, PYTEST_ARGS="-m gpu", PYTEST_WORKERS=N
 # (default 6, 0: one process), XACCEL_COMMIT=<hash> (the device copy has no .git).
 # Anchor wheels and the CUTLASS headers (without them the CUTLASS GPU tests skip):

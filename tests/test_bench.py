@@ -2,7 +2,7 @@
 import torch
 import triton.testing
 
-from torch_xaccel import bench
+from torch_xaccel.bench import common
 
 
 def test_bench_times_several_calls_of_a_model_train_step(monkeypatch):
@@ -16,8 +16,8 @@ def test_bench_times_several_calls_of_a_model_train_step(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
-    assert bench._bench_calls(lambda: None, True) == (2.5, [3.0, 1.0, 2.5])
-    assert bench._bench(lambda: None, False) == 2.5
+    assert common._bench_calls(lambda: None, True) == (2.5, [3.0, 1.0, 2.5])
+    assert common._bench(lambda: None, False) == 2.5
     (w_train, rep_train, mode), (w_other, rep_other, _) = seen[0], seen[1]
     assert mode == "all"
     assert int(rep_train / 130) >= 7 and int(w_train / 130) >= 2
@@ -29,7 +29,7 @@ def test_bench_reads_every_form_do_bench_returns_its_calls_in(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for form in ([4.0, 2.0, 3.0], torch.tensor([4.0, 2.0, 3.0]), (4.0, 2.0, 3.0)):
         monkeypatch.setattr(triton.testing, "do_bench", lambda fn, form=form, **kw: form)
-        assert bench._bench_calls(lambda: None, True) == (3.0, [4.0, 2.0, 3.0])
+        assert common._bench_calls(lambda: None, True) == (3.0, [4.0, 2.0, 3.0])
 
 
 def test_model_profile_gaps_counts_idle_time_between_kernels_and_blames_late_launches(capsys):
@@ -68,7 +68,8 @@ def test_bench_imports_resolve_outside_the_repository_root(tmp_path):
     import subprocess
     import sys
 
-    script = "from torch_xaccel.bench import tuning_report; print(repr(tuning_report(0.0)))"
+    script = ("from torch_xaccel import families; from torch_xaccel.bench import cli, common; "
+              "[families.resolve(path) for path in cli.suites().values()]; print(repr(common.tuning_report(0.0)))")
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "XACCEL_CACHE_DIR": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stderr[-2000:]

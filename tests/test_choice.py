@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -37,8 +38,7 @@ def _stand_in_for_inductor(monkeypatch):
 
     def compile_rest(gm, example_inputs, fallback, patches, *args, **kwargs):
         return real(gm, example_inputs, "eager", patches, *args, **kwargs)
-    monkeypatch.setattr(backend, "_compile_rest", compile_rest)
-    monkeypatch.setattr(choice, "compile_region_inductor", lambda gm, inputs: gm)
+    monkeypatch.setattr(backend, "_compile_rest", compile_rest)  # (the regions' sides' too)
 
 
 def _region_outcome(monkeypatch, put_back=lambda code: False, calls: list | None = None):
@@ -47,7 +47,8 @@ def _region_outcome(monkeypatch, put_back=lambda code: False, calls: list | None
         if calls is not None:
             calls.append(sides.replaced.code)
         back = put_back(sides.replaced.code)
-        timings = [["replaced", 2.0 if back else 1.0, ""]] + [[f"written ({r})", 1.5, ""] for r in rests]
+        timings = [[f"{side} ({r})", (2.0 if back else 1.0) if side == "replaced" else 1.5, ""]
+                   for r in rests for side in ("replaced", "written")]
         return {"config": {r: choice.REVERT if back else choice.KEEP for r in rests}, "timings": timings,
                 "mode": "fixed"}
     monkeypatch.setattr(choice, "_measure_region", measure_region)
@@ -107,6 +108,22 @@ def test_the_fastest_candidate_runs_and_the_report_says_so(choosing, monkeypatch
     assert graph.chosen == winner
     assert f"runs {winner} [measured, train step:" in str(last_report())
     assert graph.replacements  # what was found stays reported beside what runs
+
+
+def test_the_report_says_where_the_first_call_went(choosing, monkeypatch):
+    """Each phase of a first call (the compile's trace, passes, region measurements and candidate
+    builds, then the measurement at the call) in the report; a stored decision builds its winner
+    alone."""
+    _fixed_times(monkeypatch, {n: 2.0 for n in NAMES} | {choice.INDUCTOR: 1.0})
+    model, x = Block(), torch.randn(16, 32)
+    torch.compile(model, backend="xaccel")(x)
+    phases = list(last_report().graphs[0].compile_s)
+    assert phases == ["trace", "passes", "regions", *(f"build {n}" for n in NAMES),
+                      "measuring at the first call"], phases
+    assert " first call: trace " in str(last_report())
+    torch._dynamo.reset()
+    torch.compile(model, backend="xaccel")(x)
+    assert list(last_report().graphs[0].compile_s) == [f"build {choice.INDUCTOR}"]
 
 
 @pytest.mark.parametrize("winner", [choice.EAGER, choice.XACCEL_EAGER])
@@ -309,7 +326,7 @@ def test_real_inductor_candidates(xaccel_env, tmp_path):
     assert len(graph.region_choices) == 2  # the two chains, one region each (one feeds the other)
     for region in graph.region_choices:
         assert region.startswith("gemm_epilogue (1 alike) at test_choice.py")
-        for side in ("replaced", "written (eager)", "written (inductor)"):
+        for side in ("replaced (eager)", "written (eager)", "replaced (inductor)", "written (inductor)"):
             assert f"{side} " in region
     for name in (choice.INDUCTOR, choice.EAGER):  # the xaccel candidates too, where their region stayed
         assert f"{name} " in graph.choice
@@ -422,7 +439,52 @@ def test_regions_measured_for_real_on_captured_values(choosing, monkeypatch):
     compiled = torch.compile(model, backend="xaccel")
     _check_against_eager(compiled, model, x)
     lines = last_report().graphs[0].region_choices
-    assert len(lines) == 3 and all("replaced " in line and "written (eager) " in line for line in lines)
+    assert len(lines) == 3, lines
+    for line in lines:  # every side built and timed, under both rests (Inductor's stand-in: eager)
+        assert "failed" not in line, line
+        for side in ("replaced (eager)", "written (eager)", "replaced (inductor)", "written (inductor)"):
+            assert re.search(re.escape(side) + r" \d+\.\d+ ms", line), (side, line)
+
+
+def test_a_region_is_measured_as_the_eager_rest_runs_it(choosing, monkeypatch):
+    """In a train step the eager rest runs the replaced region inside aot_autograd's graphs, its op
+    called straight to its body: the region's measurement runs it so too, never through the custom
+    op's autograd layer (host time the compiled step does not pay, which would make a replacement
+    look slower than it is)."""
+    from torch_xaccel import ops
+    from torch_xaccel.ops.gemm_epilogue import op as gemm_op
+
+    monkeypatch.undo()  # the real _measure_region, with the Inductor stand-in
+    _stand_in_for_inductor(monkeypatch)
+    monkeypatch.setenv("XACCEL_CHOOSE", "1")
+    monkeypatch.setenv("XACCEL_CACHE_DIR", str(choosing))
+    monkeypatch.setenv("XACCEL_FALLBACK", "eager")  # (beside the Inductor rest the op goes through the dispatcher)
+    _fixed_times(monkeypatch, {n: 2.0 for n in NAMES} | {choice.INDUCTOR: 1.0})  # the graph: no xaccel op
+    target = torch.ops.xaccel.gemm_epilogue.default
+    direct, through_the_op, measuring = [], [], []
+    real_body, real_measure_runs = ops.DIRECT_CALLS[target], choice.measure_runs
+
+    def body(*args, **kwargs):
+        direct.append(bool(measuring))
+        return real_body(*args, **kwargs)
+
+    def op_body(*args, **kwargs):  # what the custom op runs when called through the dispatcher
+        through_the_op.append(bool(measuring))
+        return real_body(*args, **kwargs)
+
+    def measure_runs(*args, **kwargs):  # the region's timed calls
+        measuring.append(1)
+        try:
+            return real_measure_runs(*args, **kwargs)
+        finally:
+            measuring.pop()
+    monkeypatch.setitem(ops.DIRECT_CALLS, target, body)
+    monkeypatch.setattr(gemm_op, "run", op_body)
+    monkeypatch.setattr(choice, "measure_runs", measure_runs)
+    model, x = Block(), torch.randn(16, 32)
+    _check_against_eager(torch.compile(model, backend="xaccel"), model, x)
+    assert last_report().graphs[0].chosen == choice.INDUCTOR
+    assert any(direct) and not any(through_the_op)
 
 
 def test_regions_are_not_measured_where_the_graph_writes_its_inputs(choosing, monkeypatch):

@@ -1,6 +1,10 @@
 """Every setting: XACCEL_* variables read at each compile, torch.compile's `xaccel.*` options,
 torch_xaccel.config.patch; invalid values give one clear XaccelConfigError the user can catch."""
+import dataclasses
+import importlib.util
 import pickle
+import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -10,7 +14,7 @@ import torch.nn.functional as F
 
 import torch_xaccel
 from tests.helpers import inductor_patches
-from torch_xaccel import config
+from torch_xaccel import config, families
 from torch_xaccel.report import Report, collect
 
 
@@ -29,7 +33,7 @@ def _run(backend="xaccel"):
 def test_defaults(monkeypatch):
     monkeypatch.delenv("XACCEL_CHOOSE")  # (the suite's conftest turns the choice off)
     cfg = config.load()
-    assert (cfg.disable, cfg.fallback, cfg.log, cfg.mlstm_keep_states, cfg.tune, cfg.compile_threads, cfg.cutlass,
+    assert (cfg.disable, cfg.fallback, cfg.log, cfg.mlstm_saving, cfg.tune, cfg.compile_threads, cfg.cutlass,
             cfg.leave_to_inductor, cfg.choose) == (False, "auto", False, True, True, 8, "1", True, True)
     assert cfg.backward_fusion is None  # unset: the gemm_epilogue family decides (on where CUTLASS kernels run)
     assert "gemm_epilogue" in cfg.patterns
@@ -90,8 +94,9 @@ def test_cache_dir(xaccel_env, tmp_path):
     ("XACCEL_DISABLE", "maybe", "0 or 1"),
     ("XACCEL_LOG", "loud", "0 or 1"),
     ("XACCEL_TUNE", "fast", "0 or 1"),
-    ("XACCEL_MLSTM_KEEP_STATES", "some", "0 or 1"),
+    ("XACCEL_MLSTM_SAVING", "some", "0 or 1"),
     ("XACCEL_BACKWARD_FUSION", "both", "0 or 1"),
+    ("XACCEL_LEAVE_TO_INDUCTOR", "maybe", "0 or 1"),
     ("XACCEL_COMPILE_THREADS", "0", "whole number >= 1"),
     ("XACCEL_PATTERNS", "gemm_epilogue,attention", "gemm_epilogue"),
     ("XACCEL_FALLBACK", "tvm", "auto, eager, inductor"),
@@ -151,6 +156,94 @@ def test_one_table_names_every_setting(monkeypatch):
     assert config.load() == config.Config()  # the defaults are Config's
 
 
+FAMILY_SETTINGS = {"cutlass": "gemm_epilogue", "backward_fusion": "gemm_epilogue",
+                   "leave_to_inductor": "gemm_epilogue", "mlstm_saving": "mlstm"}
+
+
+def test_each_family_declares_its_own_settings():
+    """Family-only settings sit in their family's registry entry; config.py adds them after the
+    shared ones and names none of them itself."""
+    declared = {s.name: f.name for f in families.FAMILIES for s in f.settings}
+    assert declared == FAMILY_SETTINGS
+    shared = [f.name for f in dataclasses.fields(config.SharedConfig)]
+    assert list(config.SETTINGS) == shared + list(declared)
+    source = Path(config.__file__).read_text()
+    assert not [name for name in declared if re.search(rf"\b{name}\b", source)]
+    # Config holds them as fields like the shared ones: frozen, hashable, comparable, replaceable, picklable
+    cfg = config.Config(cutlass="0", mlstm_saving=False)
+    assert (cfg.cutlass, cfg.mlstm_saving, cfg.leave_to_inductor) == ("0", False, True)
+    assert cfg == config.Config(cutlass="0", mlstm_saving=False) != config.Config()
+    assert hash(cfg) == hash(config.Config(cutlass="0", mlstm_saving=False))
+    assert dataclasses.replace(cfg, cutlass="1", mlstm_saving=True) == config.Config()
+    assert pickle.loads(pickle.dumps(cfg)) == cfg and isinstance(cfg, config.SharedConfig)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.cutlass = "1"
+    assert config.KERNEL_SETTINGS == {"cache_dir", "tune", "compile_threads", "cutlass"}
+
+
+def test_a_family_setting_reads_like_a_shared_one(xaccel_env):
+    """Default, then its variable, then config.patch, then the compile's options; described with
+    where each value came from."""
+    assert config.load().leave_to_inductor is True
+    xaccel_env(XACCEL_LEAVE_TO_INDUCTOR="0", XACCEL_MLSTM_SAVING="off")
+    assert (config.load().leave_to_inductor, config.current().mlstm_saving) == (False, False)
+    with config.patch(leave_to_inductor="on"):
+        assert config.current().leave_to_inductor is True
+        ours, rest = config.split_options({"xaccel.leave_to_inductor": "no", "xaccel.cutlass": "WAIT"})
+        assert (ours, rest) == ({"leave_to_inductor": False, "cutlass": "wait"}, {})
+        assert config.load(ours).leave_to_inductor is False
+        with config.applying(ours):
+            assert (config.current().leave_to_inductor, config.current().cutlass) == (False, "wait")
+        text = config.describe(config.load(ours), ours)
+        assert "leave_to_inductor=False [options['xaccel.leave_to_inductor']]" in text
+        assert "mlstm_saving=False [XACCEL_MLSTM_SAVING]" in text and "backward_fusion=None," in text
+        assert "leave_to_inductor=True [config.patch]" in config.describe(config.current())
+    assert config.current().leave_to_inductor is False
+    # a kernel setting of a family given as an option applies at the graph's calls
+    assert config.calling_with(lambda: config.current().cutlass, {"cutlass": "0"})() == "0"
+
+
+def test_unknown_keys_list_every_setting_with_the_families():
+    with pytest.raises(torch_xaccel.XaccelConfigError) as err:
+        config.patch(cutlas="0")
+    assert str(err.value).endswith("the settings are " + ", ".join(config.SETTINGS))
+    assert all(name in str(err.value) for name in FAMILY_SETTINGS)
+    with pytest.raises(torch_xaccel.XaccelConfigError) as err:
+        config.split_options({"xaccel.cutlas": "0"})
+    assert str(err.value).endswith("the xaccel options are " + ", ".join(config.option_keys()))
+    assert all(f"xaccel.{name}" in str(err.value) for name in FAMILY_SETTINGS)
+
+
+def _family(name, *settings):
+    return families.Family(name, settings=settings)
+
+
+@pytest.mark.parametrize("declared, match", [
+    ((_family("a", families.FamilySetting("knob", True, "h")), _family("b", families.FamilySetting("knob", 0, "h"))),
+     r"the setting 'knob' of family 'b' is also the a family's: a setting's name \(XACCEL_KNOB\)"),
+    ((_family("a", families.FamilySetting("tune", True, "h")),), "the setting 'tune' of family 'a' is also shared"),
+    ((_family("a", families.FamilySetting("knob", "2", "h", kind="choice", choices=("0", "1"))),),
+     "its default '2' is not a value its kind 'choice' takes"),
+    ((_family("a", families.FamilySetting("knob", True, "h", kind="switch")),), "has kind 'switch'"),
+    ((_family("a", families.FamilySetting("knob", "x", "h", kind="choice")),), r"choice \(with them\)"),
+])
+def test_bad_family_settings_raise(declared, match):
+    with pytest.raises(ValueError, match=match):
+        config.family_settings(declared)
+
+
+def test_a_name_clash_fails_the_import(monkeypatch):
+    """A family declaring a setting another family (or the shared config) has: importing config.py
+    raises, before any compile."""
+    again = _family("probe", families.FamilySetting("mlstm_saving", False, "the same name again"))
+    monkeypatch.setattr(families, "FAMILIES", (*families.FAMILIES, again))
+    spec = importlib.util.spec_from_file_location("torch_xaccel._config_probe", config.__file__)
+    probe = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, probe)  # (a module being imported is in sys.modules)
+    with pytest.raises(ValueError, match="the setting 'mlstm_saving' of family 'probe' is also the mlstm family's"):
+        spec.loader.exec_module(probe)
+
+
 @pytest.mark.parametrize("key, value, field, expected", [
     ("xaccel.disable", True, "disable", True),
     ("xaccel.patterns", "mlstm,gemm_epilogue", "patterns", frozenset({"mlstm", "gemm_epilogue"})),
@@ -160,6 +253,9 @@ def test_one_table_names_every_setting(monkeypatch):
     ("xaccel.cutlass", "wait", "cutlass", "wait"),
     ("xaccel.cutlass", False, "cutlass", "0"),
     ("xaccel.backward_fusion", None, "backward_fusion", None),
+    ("xaccel.backward_fusion", "on", "backward_fusion", True),
+    ("xaccel.leave_to_inductor", "off", "leave_to_inductor", False),
+    ("xaccel.mlstm_saving", 0, "mlstm_saving", False),
     ("xaccel.tune", "off", "tune", False),
     ("xaccel.cache_dir", "~/x", "cache_dir", Path("~/x").expanduser()),
 ])
@@ -259,6 +355,8 @@ def test_patch_must_hold_at_the_first_call_which_compiles():
     (dict(compile_threads=0), "allowed: a whole number >= 1"),
     (dict(tune="sometimes"), "allowed: 0 or 1"),
     (dict(disable=None), "allowed: 0 or 1"),
+    (dict(cutlass="sometimes"), r"config.patch\(cutlass='sometimes'\) is invalid; allowed: 0, 1 or wait"),
+    (dict(leave_to_inductor=None), r"config.patch\(leave_to_inductor=None\) is invalid; allowed: 0 or 1"),
     (dict(fallbak="eager"), "unknown setting 'fallbak'; the settings are disable, patterns, fallback"),
 ])
 def test_patch_validates_at_its_call(kwargs, match):
@@ -274,9 +372,14 @@ def test_patch_validates_at_its_call(kwargs, match):
     ({"xaccel.fallback": "tvm"}, r"options=\{'xaccel.fallback': 'tvm'\} is invalid; allowed: auto, eager, inductor"),
     ({"xaccel.patterns": "attention"}, r"\(attention\); allowed: a comma-separated subset of"),
     ({"xaccel.compile_threads": "many"}, "allowed: a whole number >= 1"),
+    ({"xaccel.mlstm_saving": "some"}, r"options=\{'xaccel.mlstm_saving': 'some'\} is invalid; allowed: 0 or 1"),
+    ({"cutlass": "0"}, r"unknown option 'cutlass'; did you mean 'xaccel.cutlass'\?"),  # a family's, no prefix
     ({"xaccel.fallbak": "eager"}, "unknown option 'xaccel.fallbak'; the xaccel options are xaccel.disable, "
                                   "xaccel.patterns, xaccel.fallback"),
-    ({"no_such_knob": True}, "unknown option 'no_such_knob'"),  # an Inductor key: the same error type
+    # an Inductor key: the same error type, naming both kinds of key
+    ({"no_such_knob": True}, r"unknown option 'no_such_knob' \(options are Inductor config keys, or "
+                             r"torch_xaccel's: xaccel.disable, xaccel.patterns"),
+    ({"fallback": "eager"}, r"unknown option 'fallback'; did you mean 'xaccel.fallback'\?"),  # no prefix
 ])
 def test_invalid_options_raise_at_the_first_call(options, match):
     compiled = torch.compile(fn, backend="xaccel", options=options)  # nothing compiles yet
@@ -314,13 +417,14 @@ def test_error_at_compile_pickles_as_the_plain_error():
 # -- options read while Dynamo traces and while a graph runs --------------------------------------
 
 @torch._dynamo.assume_constant_result
-def _traced_fallback_is_eager() -> bool:
-    """As the library substitutions read the config: while Dynamo traces, before the backend runs."""
-    return config.current().fallback == "eager"
+def _traced_eager_or_not_saving() -> bool:
+    """As the library substitutions read the config: while Dynamo traces, before the backend runs
+    (a shared setting and a family's)."""
+    return config.current().fallback == "eager" or not config.current().mlstm_saving
 
 
 def _branches(x):
-    return x * 2 if _traced_fallback_is_eager() else x * 3
+    return x * 2 if _traced_eager_or_not_saving() else x * 3
 
 
 def test_options_apply_while_dynamo_traces():
@@ -328,6 +432,8 @@ def test_options_apply_while_dynamo_traces():
     assert torch.equal(torch.compile(_branches, backend="xaccel")(x), x * 3)
     torch._dynamo.reset()
     assert torch.equal(torch.compile(_branches, backend="xaccel", options={"xaccel.fallback": "eager"})(x), x * 2)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(_branches, backend="xaccel", options={"xaccel.mlstm_saving": 0})(x), x * 2)
     torch._dynamo.reset()
     assert torch.equal(torch.compile(_branches, backend="eager")(x), x * 3)  # another backend: none
     torch._dynamo.reset()

@@ -74,7 +74,7 @@ def test_fastest_records_every_candidate_and_skips_failures():
 
 
 def test_bench_tuning_report_lists_this_runs_decisions():
-    from torch_xaccel.bench import tuning_report
+    from torch_xaccel.bench.common import tuning_report
 
     since = time.time() - 1
     cache.write_entry("tuning", "mlstm_fwd|bf16|torchX", {"config": {"L": 64}, "timings": [[{"L": 64}, 1.5, ""],

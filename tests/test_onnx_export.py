@@ -39,10 +39,10 @@ def test_a_pattern_without_a_body_exports_as_standard_onnx_and_is_reported(tmp_p
 def test_an_xaccel_op_without_a_body_is_a_clear_error():
     class Direct(torch.nn.Module):
         def forward(self, q, k, v, i, f):
-            return torch.ops.xaccel.mlstm_with_chunk_states(q, k, v, i, f, None, None, None, 1e-6, 64)[0]
+            return torch.ops.xaccel.mlstm_saving(q, k, v, i, f, None, None, None, 1e-6, 64)[0]
 
     q = torch.randn(1, 2, 8, 16)
-    with pytest.raises(ValueError, match=r"xaccel::mlstm_with_chunk_states .*has no ONNX body yet; the ops with one: "
+    with pytest.raises(ValueError, match=r"xaccel::mlstm_saving .*has no ONNX body yet; the ops with one: "
                                          r"causal_conv1d, gemm_epilogue, group_norm, headwise, mlstm, mlstm_step, "
                                          r"skinny_linear, slstm, slstm_step"):
         xonnx.export(Direct(), (q, q, q, torch.randn(1, 2, 8), torch.randn(1, 2, 8)), report=False)

@@ -50,10 +50,9 @@ def _mlstm(B=B, S=S) -> dict:
 
 def _mlstm_backward(B=B, S=S) -> dict:
     fw = _mlstm(B, S)
-    h, C, n, m, *kept = X.mlstm_with_chunk_states(*fw.values())
+    h, C, n, m, *kept = X.mlstm_saving(*fw.values())
     del fw["seq_major_h"]
-    return dict(gh=r(B, H, S, DV), gC=r(B, H, DK, DV), gn=r(B, H, DK), gm=r(B, H), **fw, h=h,
-                chunk_states=[*kept, C, n, m])
+    return dict(gh=r(B, H, S, DV), gC=r(B, H, DK, DV), gn=r(B, H, DK), gm=r(B, H), **fw, h=h, kept=[*kept, C, n, m])
 
 
 def _mlstm_step(B=B) -> dict:
@@ -150,7 +149,7 @@ def _pointwise() -> dict:
     return dict(inputs=[r(4, 8), r(8)], program=_program())
 
 
-VALID = {"mlstm": _mlstm, "mlstm_with_chunk_states": _mlstm, "mlstm_backward": _mlstm_backward,
+VALID = {"mlstm": _mlstm, "mlstm_saving": _mlstm, "mlstm_backward": _mlstm_backward,
          "mlstm_step": _mlstm_step, "slstm": _slstm, "slstm_saving": _slstm, "slstm_backward": _slstm_backward,
          "slstm_step": _slstm_step, "gemm_epilogue": _gemm_epilogue, "headwise": _headwise,
          "headwise_weight_grad": _headwise_weight_grad, "causal_conv1d": _causal_conv1d,
@@ -196,7 +195,7 @@ def test_valid_calls_run_and_their_fakes_agree(op):
 
 # ---- malformed calls: (op, the argument the error names, the change to a valid call) ------------
 
-SEQUENCE = ("mlstm", "mlstm_with_chunk_states")
+SEQUENCE = ("mlstm", "mlstm_saving")
 MALFORMED = [
     *[(op, name, change) for op in SEQUENCE for name, change in [
         ("q", lambda a: {"q": r(B, H, S)}),
@@ -218,9 +217,8 @@ MALFORMED = [
     ("mlstm_backward", "gC", lambda a: {"gC": grown(a["gC"], 2)}),
     ("mlstm_backward", "gm", lambda a: {"gm": r(B, H, 1)}),
     ("mlstm_backward", "h", lambda a: {"h": r(B, H, S)}),
-    ("mlstm_backward", "chunk_states", lambda a: {"chunk_states": a["chunk_states"][:3]}),
-    ("mlstm_backward", r"chunk_states\[0\]", lambda a: {"chunk_states": [grown(a["chunk_states"][0], 2),
-                                                                          *a["chunk_states"][1:]]}),
+    ("mlstm_backward", "kept", lambda a: {"kept": a["kept"][:3]}),
+    ("mlstm_backward", r"kept\[0\]", lambda a: {"kept": [grown(a["kept"][0], 2), *a["kept"][1:]]}),
     ("mlstm_backward", "q", lambda a: {"q": ints(a["q"])}),
     ("mlstm_backward", "m0", lambda a: {"m0": None}),
     ("mlstm_backward", "chunk_size", lambda a: {"chunk_size": 0}),
@@ -352,9 +350,8 @@ LAYOUTS = {
     "mlstm": dict(q="BHSK", k="BHSK", v="BHSV", i="BHS", f="BHS", C0="BHKV", n0="BHK", m0="BH"),
     "mlstm_backward": dict(gh="BHSV", gC="BHKV", gn="BHK", gm="BH", q="BHSK", k="BHSK", v="BHSV", i="BHS", f="BHS",
                            C0="BHKV", n0="BHK", m0="BH", h="BHSV", **{
-                               "chunk_states.0": "BHNKV", "chunk_states.1": "BHNK", "chunk_states.2": "BHN",
-                               "chunk_states.3": "BH2S", "chunk_states.4": "BHKV", "chunk_states.5": "BHK",
-                               "chunk_states.6": "BH"}),
+                               "kept.0": "BHNKV", "kept.1": "BHNK", "kept.2": "BHN", "kept.3": "BH2S",
+                               "kept.4": "BHKV", "kept.5": "BHK", "kept.6": "BH"}),
     "mlstm_step": dict(q="BHK", k="BHK", v="BHV", i="BH", f="BH", C="BHKV", n="BHK", m="BH"),
     "slstm": dict(Wx="BT4ND", R="N4DD", b="4ND", h0="BND", c0="BND", n0="BND", m0="BND"),
     "slstm_backward": dict(gy="BTND", ghT="BND", gcT="BND", gnT="BND", gmT="BND", Wx="BT4ND", R="N4DD", b="4ND",
@@ -372,7 +369,7 @@ LAYOUTS = {
     "skinny_linear_backward": {"dy": "BTN", "weight": "N!", "xs.0": "~BT!", "xs.1": "BT!", "addends.0": "BT!"},
     "pointwise": {"inputs.0": "~!!", "inputs.1": "~!"},
 }
-LAYOUTS["mlstm_with_chunk_states"] = LAYOUTS["mlstm"]
+LAYOUTS["mlstm_saving"] = LAYOUTS["mlstm"]
 LAYOUTS["slstm_saving"] = LAYOUTS["slstm"]
 
 
@@ -439,7 +436,7 @@ def test_fuzz_one_mutated_argument_raises_a_value_error(seed):
 EDGES = [
     ("mlstm", partial(_mlstm, S=0)),
     ("mlstm", partial(_mlstm, B=0)),
-    ("mlstm_with_chunk_states", partial(_mlstm, S=0)),
+    ("mlstm_saving", partial(_mlstm, S=0)),
     ("mlstm_backward", partial(_mlstm_backward, S=0)),
     ("mlstm_backward", partial(_mlstm_backward, B=0)),
     ("mlstm_step", partial(_mlstm_step, B=0)),
@@ -500,7 +497,7 @@ def test_mlstm_at_s0_returns_the_start_state(with_state):
     args = _mlstm(S=0)
     if not with_state:
         args.update(C0=None, n0=None, m0=None)
-    h, C, n, m, Cs, ns, ms, rows = X.mlstm_with_chunk_states(*args.values())
+    h, C, n, m, Cs, ns, ms, rows = X.mlstm_saving(*args.values())
     assert h.shape == (B, H, 0, DV) and Cs.shape == (B, H, 0, DK, DV) and rows.shape == (B, H, 2, 0)
     if with_state:
         _same_values_not_aliases((C, n, m), (args["C0"], args["n0"], args["m0"]))

@@ -63,6 +63,34 @@ def test_failing_kernel_provider_degrades_to_reference():
         runtime.unregister_provider("gemm_epilogue", broken_provider)
 
 
+def test_a_kernel_broken_at_one_fp32_precision_still_runs_at_another():
+    """fp32 kernels build differently per torch.get_float32_matmul_precision() (TF32 or 3xTF32):
+    a failure at "high" keeps the kernel out at "high" only."""
+    calls = []
+
+    def provider(key, *args):
+        calls.append(torch.get_float32_matmul_precision())
+        if calls[-1] == "high":
+            raise RuntimeError("no TF32 build")
+        return NotImplemented
+
+    before = torch.get_float32_matmul_precision()
+    runtime.register_provider("gemm_epilogue", provider)
+    try:
+        compiled = torch.compile(fn, backend="xaccel")
+        x, w = torch.randn(5, 3), torch.randn(4, 3)
+        torch.set_float32_matmul_precision("high")
+        with pytest.warns(torch_xaccel.XaccelFallbackWarning, match="no TF32 build"):
+            torch.testing.assert_close(compiled(x, w), fn(x, w))
+        compiled(x, w)
+        torch.set_float32_matmul_precision("highest")
+        torch.testing.assert_close(compiled(x, w), fn(x, w))
+        assert calls == ["high", "highest"]
+    finally:
+        torch.set_float32_matmul_precision(before)
+        runtime.unregister_provider("gemm_epilogue", provider)
+
+
 def test_provider_result_is_used_when_it_takes_the_case():
     seen = []
 

@@ -104,9 +104,9 @@ def test_list_prints_the_grid_and_quick_covers_every_form(capsys):
 
 
 def test_bench_dispatches_the_sweep_suite(capsys):
-    from torch_xaccel import bench
+    from torch_xaccel.bench import cli
 
-    assert bench.main(["sweep", "--list", "--cpu"]) == 0
+    assert cli.main(["sweep", "--list", "--cpu"]) == 0
     assert "rows (cpu)" in capsys.readouterr().out
 
 

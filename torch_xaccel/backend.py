@@ -223,8 +223,8 @@ def plain_decode_steps(report, example_inputs, patches: dict) -> int:
 def _choice_settings(cfg, patches: dict, training: bool) -> str:
     """What shapes a graph's candidates besides its code and inputs (part of its choice's key)."""
     return "|".join(str(x) for x in (
-        sorted(cfg.patterns), cfg.fallback, cfg.backward_fusion, cfg.leave_to_inductor, cfg.mlstm_keep_states,
-        cfg.cutlass, training, torch.is_grad_enabled(), sorted((k, repr(v)) for k, v in patches.items()),
+        sorted(cfg.patterns), cfg.fallback, *(getattr(cfg, s.name) for f in families.FAMILIES for s in f.settings),
+        training, torch.is_grad_enabled(), sorted((k, repr(v)) for k, v in patches.items()),
         precision.torch_allows_tf32()))
 
 
@@ -353,8 +353,10 @@ def _compile(gm, example_inputs, options: dict, cfg, overrides: dict, patches: d
                 report.chosen, report.choice = decided["config"], choice.describe(decided, cached=True)
                 report.settings = settings
                 anchor = _candidates(gm, {}, example_inputs, cfg, patches, report, training, True)
-                return next(c for c in anchor if c.name == decided["config"]).build()
-        aten_gm = _trace_to_aten(gm, example_inputs)
+                with report.timing(f"build {decided['config']}"):
+                    return next(c for c in anchor if c.name == decided["config"]).build()
+        with report.timing("trace"):
+            aten_gm = _trace_to_aten(gm, example_inputs)
         aten_gm.meta["xaccel_example_inputs"] = example_inputs  # real values, for checks of cached constants
         written = choice.written_inputs(aten_gm) if choosing else None  # (before passes rewrite the graph)
         original = None
@@ -363,7 +365,8 @@ def _compile(gm, example_inputs, options: dict, cfg, overrides: dict, patches: d
             original = regions.snapshot(aten_gm)
         ctx = PassContext(cfg, report, training)
         with regions.Replacements(aten_gm) if choosing else contextlib.nullcontext() as replacements:
-            lowered = run_passes(aten_gm, ctx)
+            with report.timing("passes"):
+                lowered = run_passes(aten_gm, ctx)
         if CONSTANT_FLOATS in ctx.requests and _specialize_float_inputs(gm):
             raise TensorifyScalarRestartAnalysis  # traced again with those floats as constants
         rests = _xaccel_rests(cfg, choosing)
@@ -373,15 +376,18 @@ def _compile(gm, example_inputs, options: dict, cfg, overrides: dict, patches: d
         if not choosing:
             report.settings = settings
             return _run_unchosen(gm, lowered, example_inputs, cfg, patches, report, training)
-        graphs = _region_graphs(regions.Diff(original, lowered, replacements) if report.replacements else None,
-                                example_inputs, training, rests, written, choice_settings, report)
+        with report.timing("regions"):
+            graphs = _region_graphs(regions.Diff(original, lowered, replacements) if report.replacements else None,
+                                    example_inputs, training, rests, written, choice_settings, report)
         cands = _candidates(gm, graphs, example_inputs, cfg, patches, report, training, True)
         report.settings = settings
         if decided is not None and any(c.name == decided["config"] for c in cands):
             report.chosen, report.choice = decided["config"], choice.describe(decided, cached=True)
-            return next(c for c in cands if c.name == decided["config"]).build()
+            with report.timing(f"build {decided['config']}"):
+                return next(c for c in cands if c.name == decided["config"]).build()
         for c in cands:
-            c.make()
+            with report.timing(f"build {c.name}"):
+                c.make()
         return choice.Chooser(key, cands, training, device, report, written)
     except _RestartAnalysis:  # Dynamo traces the frame again and calls the backend anew
         restarting = True

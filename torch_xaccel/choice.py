@@ -343,7 +343,8 @@ class Chooser:
     def __call__(self, *args):
         fn = self.fn
         if fn is None:
-            fn = self.fn = self._choose(args)
+            with self.report.timing("measuring at the first call"):
+                fn = self.fn = self._choose(args)
         return fn(*args)
 
     def _choose(self, args) -> Callable:
@@ -405,12 +406,27 @@ def _region_inputs(values: dict, ids: list, training: bool) -> list:
     return out
 
 
-def compile_region_inductor(gm: torch.fx.GraphModule, inputs: list) -> Callable:
-    """The region as written under Inductor, on its own (inside apart_from_dynamo: its own fake
-    mode and static shapes, the region's measured ones)."""
-    from torch._inductor.compile_fx import compile_fx
+def compile_region(gm: torch.fx.GraphModule, inputs: list, rest: str, replaced: bool) -> Callable:
+    """The region as the rest would run it (inside apart_from_dynamo: its own fake mode and static
+    shapes, the region's measured ones): eagerly as the eager rest runs a graph (xaccel ops called
+    straight to their bodies, and in training inside aot_autograd's forward and backward graphs, not
+    through the custom op's autograd layer, whose host time a compiled graph never pays); under
+    Inductor. A replaced region beside the Inductor rest is its xaccel op, which Inductor calls
+    through the dispatcher with nothing of the region left to fuse: it runs so, without an
+    Inductor build (a region's build is most of what measuring it costs)."""
+    from .backend import _compile_rest, _copied
 
-    return compile_fx(gm, inputs)
+    if not (replaced and rest == "inductor"):
+        return _compile_rest(_copied(gm), inputs, rest, {})
+    if not torch.is_grad_enabled():
+        return gm.forward
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def as_traced(g, _inputs):
+        return make_boxed_func(g.forward)
+
+    return aot_autograd(fw_compiler=as_traced, bw_compiler=as_traced)(_copied(gm), inputs)
 
 
 @contextlib.contextmanager
@@ -441,31 +457,38 @@ def apart_from_dynamo():
 
 
 def _measure_region(sides, values: dict, rests: list, training: bool, device: torch.device) -> dict:
-    """The region as replaced against the region as written under each rest's backend, each on its
-    own captured inputs."""
+    """The region as replaced against the region as written, both as each rest's backend runs
+    them, each side on its own captured inputs."""
     replaced_in = _region_inputs(values, sides.replaced_inputs, training)
     written_in = _region_inputs(values, sides.written_inputs, training)
     # gradients compared for the values both sides read (a side may read a survivor the other
     # computes for itself, e.g. a weight's transpose)
     common = [i for i in sides.written_inputs if i in set(sides.replaced_inputs)]
-    replaced_compared = [sides.replaced_inputs.index(i) for i in common]
-    written_compared = [sides.written_inputs.index(i) for i in common]
-    runs = {"replaced": runner(sides.replaced, replaced_in, training, replaced_compared)}
-    errors = {}
+    compared = {"replaced": [sides.replaced_inputs.index(i) for i in common],
+                "written": [sides.written_inputs.index(i) for i in common]}
+    side_of = {"replaced": (sides.replaced, replaced_in), "written": (sides.written, written_in)}
+    runs, errors = {}, {}
     for rest in rests:
-        if rest == "eager":
-            runs["written (eager)"] = runner(sides.written, written_in, training, written_compared)
-            continue
-        try:
-            compiled = compile_region_inductor(sides.written, written_in)
-            runs["written (inductor)"] = runner(compiled, written_in, training, written_compared)
-        except Exception as e:  # noqa: BLE001 - not built: the replacement stays
-            errors["written (inductor)"] = f"build failed: {type(e).__name__}: {str(e)[:160]}"
-    m = measure_runs(runs, device, reference="written (eager)" if "eager" in rests else None)
+        for side, (gm, inputs) in side_of.items():
+            name = f"{side} ({rest})"
+            try:
+                # each side in a compile context of its own, its first call included: that is
+                # where aot_autograd compiles its backward (one backward per metrics context)
+                with apart_from_dynamo():
+                    run = runner(compile_region(gm, inputs, rest, side == "replaced"), inputs, training,
+                                 compared[side])
+                    run()
+                runs[name] = run
+            except Exception as e:  # noqa: BLE001 - a side that does not build: the other side decides
+                if _restart(e):
+                    raise
+                errors[name] = f"build failed: {type(e).__name__}: {str(e)[:160]}"
+    reference = next((n for n in ("written (eager)", "written (inductor)") if n in runs), None)
+    m = measure_runs(runs, device, reference=reference)
     m.errors.update(errors)
     config = {}
     for rest in rests:
-        mine, theirs = m.ms.get("replaced"), m.ms.get(f"written ({rest})")
+        mine, theirs = m.ms.get(f"replaced ({rest})"), m.ms.get(f"written ({rest})")
         # the original is put back where it measured faster, or where the replacement failed
         config[rest] = REVERT if theirs is not None and (mine is None or theirs < mine) else KEEP
     timings = [[n, round(m.ms[n], 5) if n in m.ms else None, m.errors.get(n, "")] for n in [*runs, *errors]]

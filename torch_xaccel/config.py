@@ -1,8 +1,10 @@
 """torch_xaccel's settings: one Config, one table (SETTINGS), four sources.
 
-Each setting is a field of Config. SETTINGS maps it to its environment variable
-(`XACCEL_<FIELD>`), its torch.compile option key (`xaccel.<field>`), its parser and its help;
-nothing else names them. A setting takes, lowest precedence first:
+Each setting is a field of Config: the shared ones (SharedConfig's, below), then each family's own,
+declared in its registry entry (families.Family.settings) and added here, so this module names no
+family's setting. SETTINGS maps each to its environment variable (`XACCEL_<FIELD>`), its
+torch.compile option key (`xaccel.<field>`), its parser and its help; nothing else names them.
+A setting takes, lowest precedence first:
 
 1. its default (Config's field default);
 2. its environment variable, read again at every compile;
@@ -29,7 +31,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, make_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +39,14 @@ from . import families
 from .errors import XaccelConfigError
 
 FALLBACKS = ("auto", "eager", "inductor")
-CUTLASS_MODES = ("0", "1", "wait")
 ENV_PREFIX, OPTION_PREFIX = "XACCEL_", "xaccel."
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
 @dataclass(frozen=True)
-class Config:
-    """The settings one compile (or one kernel build) uses. Each field's help is in SETTINGS."""
+class SharedConfig:
+    """The settings every family shares; Config adds the families' own (below)."""
     disable: bool = False
     patterns: frozenset[str] = field(default_factory=lambda: frozenset(families.PATTERNS))
     fallback: str = "auto"
@@ -53,10 +54,6 @@ class Config:
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "torch_xaccel")
     tune: bool = True
     compile_threads: int = 8
-    cutlass: str = "1"
-    backward_fusion: bool | None = None
-    leave_to_inductor: bool = True
-    mlstm_keep_states: bool = True
     choose: bool = True
 
 
@@ -125,14 +122,30 @@ def _compile_threads(value: Any) -> int:
     raise _Invalid("a whole number >= 1")
 
 
-def _cutlass(value: Any) -> str:
-    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
-        return str(int(value))
-    text = value.strip().lower() if isinstance(value, str) else None
-    text = {"on": "1", "true": "1", "yes": "1", "off": "0", "false": "0", "no": "0"}.get(text, text)
-    if text not in CUTLASS_MODES:
-        raise _Invalid("0, 1 or wait")
-    return text
+def _choice(words: tuple[str, ...]) -> Callable[[Any], str]:
+    """A parser taking one of `words` (any case); where they hold "0" and "1", also a flag's
+    spellings for them (True, "on", ...)."""
+    allowed = " or ".join(filter(None, (", ".join(words[:-1]), words[-1])))
+
+    def parse(value: Any) -> str:
+        if {"0", "1"} <= set(words):
+            with contextlib.suppress(_Invalid):
+                value = str(int(_flag(value)))
+        text = value.strip().lower() if isinstance(value, str) else None
+        if text not in words:
+            raise _Invalid(allowed)
+        return text
+    return parse
+
+
+def _kind_parser(s: families.FamilySetting) -> Callable[[Any], Any]:
+    """A family setting's parser, named by its kind (families.FamilySetting.kind)."""
+    if s.kind == "choice" and s.choices:
+        return _choice(s.choices)
+    if s.kind in ("flag", "optional_flag") and not s.choices:
+        return _flag if s.kind == "flag" else _optional_flag
+    raise ValueError(f"setting {s.name!r} has kind {s.kind!r} and choices {s.choices!r}; the kinds are flag, "
+                     "optional_flag (neither with choices) and choice (with them)")
 
 
 @dataclass(frozen=True)
@@ -152,7 +165,7 @@ class Setting:
         return OPTION_PREFIX + self.name
 
 
-SETTINGS: dict[str, Setting] = {s.name: s for s in (
+_SHARED: tuple[Setting, ...] = (
     Setting("disable", _flag, "run every captured graph as it is (default off)"),
     Setting("patterns", _patterns, "the patterns to replace, a comma-separated subset of families.PATTERNS "
                                    "(default: every pattern)"),
@@ -166,22 +179,50 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
                            "candidate runs untimed (default on)"),
     Setting("compile_threads", _compile_threads, "threads compiling tuning candidates, and concurrent nvcc "
                                                  "builds (default 8)"),
-    Setting("cutlass", _cutlass, "\"1\" CUTLASS GEMM kernels build in the background and join tuning once "
-                                 "built; \"wait\" tuning builds them first; \"0\" never (default 1)"),
-    Setting("backward_fusion", _optional_flag, "fuse the GEMM chains of training graphs' backward too "
-                                               "(default unset: on where CUTLASS kernels run)"),
-    Setting("leave_to_inductor", _flag, "with the Inductor rest, a GEMM chain that only feeds reductions "
-                                        "Inductor fuses it into stays with Inductor and cuBLAS (default on)"),
-    Setting("mlstm_keep_states", _flag, "a training graph's mLSTM keeps the state entering each chunk for its "
-                                        "backward (default on)"),
     Setting("choose", _flag, "each graph runs as the fastest of its candidates, measured at its first call and "
                              "stored with the kernel tunings (choice.py); off, the replacements always run "
                              "(default on)"),
-)}
+)
+assert [s.name for s in _SHARED] == [f.name for f in fields(SharedConfig)], \
+    "the shared rows and SharedConfig must list the same fields"
+
+
+def family_settings(declared: Iterable[families.Family]) -> dict[str, families.FamilySetting]:
+    """name -> setting, for every family's own settings in the families' order. A name declared
+    twice (by two families, or by a family and the shared settings), an unknown kind or a default
+    its parser refuses raises ValueError: at import, since the table below is built from them."""
+    owner = dict.fromkeys((s.name for s in _SHARED), "shared")
+    out = {}
+    for family in declared:
+        for s in family.settings:
+            if s.name in owner:
+                raise ValueError(f"the setting {s.name!r} of family {family.name!r} is also {owner[s.name]}: "
+                                 f"a setting's name (XACCEL_{s.name.upper()}) is the whole process's")
+            try:
+                ok = _kind_parser(s)(s.default) == s.default
+            except _Invalid:
+                ok = False
+            if not ok:
+                raise ValueError(f"family {family.name!r}'s setting {s.name!r}: its default {s.default!r} is not "
+                                 f"a value its kind {s.kind!r} takes")
+            owner[s.name], out[s.name] = f"the {family.name} family's", s
+    return out
+
+
+_FAMILY_SETTINGS = family_settings(families.FAMILIES)
+SETTINGS: dict[str, Setting] = {s.name: s for s in _SHARED} | {
+    name: Setting(name, _kind_parser(s), s.help) for name, s in _FAMILY_SETTINGS.items()}
+
+Config = make_dataclass("Config", [(name, Any, field(default=s.default)) for name, s in _FAMILY_SETTINGS.items()],
+                        bases=(SharedConfig,), frozen=True)
+Config.__module__ = __name__  # (pickles as torch_xaccel.config.Config)
+Config.__doc__ = """The settings one compile (or one kernel build) uses: SharedConfig's fields, then every
+family's own (families.Family.settings), each a field as the shared ones are. Their help is in SETTINGS."""
 assert list(SETTINGS) == [f.name for f in fields(Config)], "SETTINGS and Config must list the same fields"
 
 # Read when a kernel is built or tuned (at any call), not only when a graph compiles.
-KERNEL_SETTINGS = frozenset({"cache_dir", "tune", "compile_threads", "cutlass"})
+KERNEL_SETTINGS = frozenset({"cache_dir", "tune", "compile_threads"} |
+                            {name for name, s in _FAMILY_SETTINGS.items() if s.at_call})
 
 
 def _parse(setting: Setting, value: Any, shown: str) -> Any:

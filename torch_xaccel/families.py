@@ -11,6 +11,24 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class FamilySetting:
+    """One of a family's own settings, plain data: config.py adds it to its table (SETTINGS) and to
+    Config beside the shared ones, so it is set as they are (XACCEL_<NAME>, the option
+    `xaccel.<name>`, config.patch(<name>=...)) and read as `cfg.<name>`."""
+    name: str
+    default: Any
+    help: str
+    # how a raw value parses: "flag" (0/1, true/false, yes/no, on/off), "optional_flag" (a flag, or
+    # None: unset) or "choice" (one of `choices`; where they hold "0" and "1", a flag's spellings too)
+    kind: str = "flag"
+    choices: tuple[str, ...] = ()
+    # read when a kernel is built or tuned (at any call), not only when a graph compiles
+    # (config.KERNEL_SETTINGS): a compile's option for it applies at its graph's calls
+    at_call: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,6 +67,12 @@ class Family:
     # op name -> its argument that adds to its output before rounding: Tensor? for an op of one
     # output, Tensor?[] (entry j for output j) for a list; gradient_sums folds gradient sums into it
     addends: dict[str, str] = field(default_factory=dict)
+    # "module:function" cases(quick: bool) -> list[Case]: the family's bench suite
+    # (`python -m torch_xaccel.bench <family>`), in torch_xaccel/bench/<family>.py
+    bench: str | None = None
+    # the settings only this family reads (FamilySetting); each name is unique among every family's
+    # and the shared ones (config.py raises at import otherwise)
+    settings: tuple[FamilySetting, ...] = ()
 
     @property
     def patterns(self) -> tuple[str, ...]:
@@ -67,6 +91,18 @@ FAMILIES: tuple[Family, ...] = (
         providers={"gemm_epilogue": "torch_xaccel.codegen.gemm_epilogue:provider"},
         backward_pass="torch_xaccel.lowering.gemm_epilogue.backward:backward_pass",
         onnx={"gemm_epilogue": "torch_xaccel.ops.gemm_epilogue.onnx:gemm_epilogue_function"},
+        bench="torch_xaccel.bench.gemm_epilogue:cases",
+        settings=(
+            FamilySetting("cutlass", "1", kind="choice", choices=("0", "1", "wait"), at_call=True,
+                          help="\"1\" CUTLASS GEMM kernels build in the background and join tuning once built; "
+                               "\"wait\" tuning builds them first; \"0\" never (default 1)"),
+            FamilySetting("backward_fusion", None, kind="optional_flag",
+                          help="fuse the GEMM chains of training graphs' backward too "
+                               "(default unset: on where CUTLASS kernels run)"),
+            FamilySetting("leave_to_inductor", True,
+                          help="with the Inductor rest, a GEMM chain that only feeds reductions Inductor "
+                               "fuses it into stays with Inductor and cuBLAS (default on)"),
+        ),
     ),
     Family(
         "mlstm",
@@ -76,13 +112,19 @@ FAMILIES: tuple[Family, ...] = (
         emits={"mlstm_step": ("mlstm_step", "mlstm")},  # a loop of steps over a prefill becomes xaccel.mlstm
         decode_ops=("mlstm_step",),
         providers={"mlstm": "torch_xaccel.codegen.mlstm:forward",
-                   "mlstm_with_chunk_states": "torch_xaccel.codegen.mlstm:forward_keeping_states",
+                   "mlstm_saving": "torch_xaccel.codegen.mlstm:forward_saving",
                    "mlstm_backward": "torch_xaccel.codegen.mlstm:backward",
                    "mlstm_step": "torch_xaccel.codegen.mlstm:step"},
-        after_passes=("torch_xaccel.lowering.mlstm.h_layout:run", "torch_xaccel.lowering.mlstm.chunk_states:run"),
+        after_passes=("torch_xaccel.lowering.mlstm.h_layout:run", "torch_xaccel.lowering.mlstm.saving:run"),
         trace_hooks="torch_xaccel.lowering.mlstm.substitutions:register",
         onnx={"mlstm": "torch_xaccel.ops.mlstm.onnx:mlstm_function",
               "mlstm_step": "torch_xaccel.ops.mlstm.onnx:mlstm_step_function"},
+        bench="torch_xaccel.bench.mlstm:cases",
+        settings=(
+            FamilySetting("mlstm_saving", True,
+                          help="a training graph's mLSTM saves the state entering each chunk for its "
+                               "backward (xaccel::mlstm_saving; default on)"),
+        ),
     ),
     Family(
         "headwise",
@@ -92,6 +134,7 @@ FAMILIES: tuple[Family, ...] = (
                    "headwise_weight_grad": "torch_xaccel.codegen.headwise:weight_grad"},
         onnx={"headwise": "torch_xaccel.ops.headwise.onnx:headwise_function"},
         addends={"headwise": "addend"},  # (the input gradient is the op itself)
+        bench="torch_xaccel.bench.headwise:cases",
     ),
     Family(
         "causal_conv",
@@ -101,6 +144,7 @@ FAMILIES: tuple[Family, ...] = (
                    "causal_conv1d_backward": "torch_xaccel.codegen.causal_conv:backward"},
         onnx={"causal_conv1d": "torch_xaccel.ops.causal_conv.onnx:causal_conv1d_function"},
         emits={"causal_conv": ("causal_conv1d",)},
+        bench="torch_xaccel.bench.causal_conv:cases",
     ),
     Family(
         "group_norm",
@@ -109,6 +153,7 @@ FAMILIES: tuple[Family, ...] = (
         providers={"group_norm": "torch_xaccel.codegen.group_norm:forward",
                    "group_norm_backward": "torch_xaccel.codegen.group_norm:backward"},
         onnx={"group_norm": "torch_xaccel.ops.group_norm.onnx:group_norm_function"},
+        bench="torch_xaccel.bench.group_norm:cases",
     ),
     Family(
         "skinny_linear",
@@ -118,6 +163,7 @@ FAMILIES: tuple[Family, ...] = (
                    "skinny_linear_backward": "torch_xaccel.codegen.skinny_linear:backward"},
         onnx={"skinny_linear": "torch_xaccel.ops.skinny_linear.onnx:skinny_linear_function"},
         addends={"skinny_linear_backward": "addends"},
+        bench="torch_xaccel.bench.skinny_linear:cases",
     ),
     Family(
         "slstm",
@@ -133,6 +179,7 @@ FAMILIES: tuple[Family, ...] = (
         decode_ops=("slstm_step",),
         onnx={"slstm": "torch_xaccel.ops.slstm.onnx:slstm_function",
               "slstm_step": "torch_xaccel.ops.slstm.onnx:slstm_step_function"},
+        bench="torch_xaccel.bench.slstm:cases",
     ),
     Family(
         "pointwise",

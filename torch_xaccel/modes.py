@@ -32,13 +32,23 @@ def rest_options(kwargs: dict) -> dict:
     for key, value in (kwargs.get("options") or {}).items():
         name = key.replace("-", "_")
         if name not in known:
-            raise XaccelConfigError(f"xaccel backend: unknown option {key!r} (options are Inductor config keys)")
+            raise XaccelConfigError(f"xaccel backend: unknown option {key!r}{_unknown_option_hint(name)}")
         expected = _plain_type(inductor_config, name)
         if expected is not None and not isinstance(value, expected):
             raise XaccelConfigError(f"xaccel backend: option {key!r} takes a {type(known[name]).__name__}, "
                                     f"got {type(value).__name__}")
         patches[name] = value
     return patches
+
+
+def _unknown_option_hint(name: str) -> str:
+    """What the user may have meant: torch_xaccel's own setting of that name (its key carries the
+    `xaccel.` prefix), else the two kinds of key options= takes."""
+    from . import config
+
+    if name in config.SETTINGS:
+        return f"; did you mean {config.OPTION_PREFIX + name!r}?"
+    return f" (options are Inductor config keys, or torch_xaccel's: {', '.join(config.option_keys())})"
 
 
 def _plain_type(inductor_config, name: str):

@@ -81,7 +81,9 @@ def note_use(key) -> None:
         SEEN.add(key)
 
 
-_BROKEN: set[tuple[str, str, tuple]] = set()
+# (op, provider, case key, fp32 matmul precision): a kernel that failed is not retried for its case;
+# the precision is part of the case because it picks a different kernel build (TF32 vs 3xTF32)
+_BROKEN: set[tuple[str, str, tuple, str]] = set()
 EVENTS: list[RuntimeFallback] = []
 
 
@@ -131,12 +133,12 @@ def dispatch(op: str, key_fn: Callable[..., tuple], reference: Callable, *args):
         if key is None:
             key = key_fn(*args)
         name = provider.name
-        if _BROKEN and (op, name, key) in _BROKEN:
+        if _BROKEN and (op, name, key, torch.get_float32_matmul_precision()) in _BROKEN:
             continue
         try:
             out = provider(key, *args)
         except Exception as e:  # noqa: BLE001 - any kernel failure must degrade to the reference
-            _BROKEN.add((op, name, key))
+            _BROKEN.add((op, name, key, torch.get_float32_matmul_precision()))
             event = RuntimeFallback(op, name, _describe(key), f"{type(e).__name__}: {e}")
             EVENTS.append(event)
             warnings.warn(f"xaccel: kernel {name} for {op} [{event.key}] failed ({event.reason}); "

@@ -209,7 +209,7 @@ def backward_config(DK: int, DV: int, itemsize: int = 2, kept: bool = False) -> 
 
 
 def at_chunk(configs, chunk: int):
-    """A keeping forward's config function (forward_config or forward_candidates) with every
+    """A saving forward's config function (forward_config or forward_candidates) with every
     config at the kept states' chunk length, those that fit: the states and row terms it keeps
     are then the ones a backward walking that chunk reads."""
     def at_chunk(DK: int, DV: int, itemsize: int = 2):
@@ -227,8 +227,8 @@ def any_config_fits(phase: str, DK: int, DV: int, itemsize: int) -> bool:
     return bool((forward_candidates if phase == "fwd" else backward_candidates)(DK, DV, itemsize))
 
 
-def keeping_forward_fits(DK: int, DV: int, itemsize: int, chunk_size: int) -> bool:
-    """Whether a forward at chunk_size fits (shared memory) for these head dims and dtype."""
+def saving_forward_fits(DK: int, DV: int, itemsize: int, chunk_size: int) -> bool:
+    """Whether a saving forward at chunk_size fits (shared memory) for these head dims and dtype."""
     return chunk_size in CHUNKS and at_chunk(forward_config, chunk_size)(DK, DV, itemsize) is not None
 
 

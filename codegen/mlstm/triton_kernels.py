@@ -6,7 +6,7 @@ The chunkwise form is split so that only the state scans are sequential: the sta
 chunk (mlstm_chunk_states) and then every chunk's output in parallel (mlstm_fwd); the backward adds
 mlstm_bwd_rows (per-row normalizer terms), the reverse state-gradient scan (mlstm_bwd_states) and
 mlstm_bwd (every chunk's gradients in parallel). Configs (configs.py) are tuned once per shape
-class (_tuned); settings.py holds the switches for the A/B forms the kernels keep."""
+class (_tuned)."""
 from __future__ import annotations
 
 import contextvars
@@ -16,15 +16,14 @@ from pathlib import Path
 
 import torch
 
-from torch_xaccel.ops.mlstm import chunk_states_shapes, gradient_like, h_like
-from torch_xaccel.ops.mlstm.reference_backward import route_max_grads
+from torch_xaccel.ops.mlstm import gradient_like, h_like, kept_shapes
 from torch_xaccel.runtime import interpreting
 
 from .. import cache, precision as fp32_dots, tuning
 from ..limits import INT32_LIMIT, reach
 from ..render import Templates
 from ..triton_launch import LaunchCache
-from . import configs, settings
+from . import configs
 
 TEMPLATES = Templates(Path(__file__).parent / "templates")
 _KERNELS: dict = {}
@@ -100,10 +99,10 @@ _CHOSEN: dict = {}  # tuning key -> decision, for this process
 
 def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch, kept: bool = False, chunk: int | None = None) -> dict:
     """The fastest candidate for this phase and shape class, timed once (launch(cfg) runs the
-    phase) and stored like every tuning decision; without CUDA, or with settings' tune off, the
-    default. kept: a forward that keeps its chunk states (its configs at the states' chunk length
-    `chunk`) or a backward that reads them (no scan): their own decisions, since that changes
-    what is timed."""
+    phase) and stored like every tuning decision (tuning.decide: with XACCEL_TUNE=0, a stored
+    decision or the default); without CUDA, the default. kept: a saving forward (its configs at
+    the kept states' chunk length `chunk`) or a backward that reads the kept states (no scan):
+    their own decisions, since that changes what is timed."""
     B, H, S = q.shape[:3]
     DK, DV = configs.padded(q.shape[-1]), configs.padded(v.shape[-1])
     size = q.element_size()
@@ -112,7 +111,7 @@ def _tuned(phase: str, q: torch.Tensor, v: torch.Tensor, launch, kept: bool = Fa
                                 functools.partial(configs.backward_candidates, kept=kept)))
     if chunk is not None:
         config, candidates = configs.at_chunk(config, chunk), configs.at_chunk(candidates, chunk)
-    if interpreting() or q.device.type != "cuda" or not settings.current().tune:
+    if interpreting() or q.device.type != "cuda":
         return config(DK, DV, size)
     key = _tuning_key(phase, q, v, kept, chunk)
     if key in _CHOSEN:
@@ -260,41 +259,38 @@ def chunk_states(k, v, i, f, C0, n0, m0, cfg):
         C0, n0, m0 = (t.float().contiguous() for t in (C0, n0, m0))
     else:
         C0, n0, m0 = C, n, m  # unused by the kernel
-    gates = []
-    gate_factors = settings.current().chunk_scan_factors
-    if gate_factors:  # each chunk's gate terms, in parallel, off the sequential scan
-        gates = [torch.empty(B * H * NC * L, dtype=f32, device=dev), torch.empty(B * H * NC * 2, dtype=f32, device=dev)]
-        _launch(_kernel("mlstm_chunk_gates.py.jinja", k.dtype), (B * H, NC), i, f, *gates, *_rows(i, f), S, NC, L=L)
-    _launch(_kernel("mlstm_chunk_states.py.jinja", k.dtype, has_state=has_state, gate_factors=gate_factors,
-                    loads_first=bool(cfg.get("LF")), **_masks(dims)),
-        _state_grid(B * H, dims, BK, BVS), k, v, i, f, C0, n0, m0, Cs, ns, ms, C, n, m, *gates, *_rows(k, v, i, f),
+    # each chunk's gate terms, in parallel, off the sequential scan
+    gates = [torch.empty(B * H * NC * L, dtype=f32, device=dev), torch.empty(B * H * NC * 2, dtype=f32, device=dev)]
+    _launch(_kernel("mlstm_chunk_gates.py.jinja", k.dtype), (B * H, NC), i, f, *gates, *_rows(i, f), S, NC, L=L)
+    _launch(_kernel("mlstm_chunk_states.py.jinja", k.dtype, has_state=has_state, loads_first=bool(cfg.get("LF")),
+                    **_masks(dims)),
+        _state_grid(B * H, dims, BK, BVS), k, v, C0, n0, m0, Cs, ns, ms, C, n, m, *gates, *_rows(k, v),
         S, NC, scale, **dims, BK=BK, BV=BVS, L=L, num_warps=configs.scan_warps(cfg), num_stages=stages)
     return (Cs, ns, ms), (C, n, m)
 
 
-def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False, keep_chunk_states=False):
+def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False, save=False):
     """Kernel path for xaccel::mlstm's forward, or NotImplemented for cases it does not cover: the
     chunk-state scan, then every chunk's output in parallel. chunk_size only shapes the
     reference's evaluation; the kernels pick their own chunk length (results agree to rounding).
-    keep_chunk_states (xaccel::mlstm_with_chunk_states): also return the state entering each chunk
-    of chunk_size positions and each row's den_t and m_t, the forward then running at that chunk
-    length (its own tuning decision), so that a backward walking the same chunks reads them.
+    save (xaccel::mlstm_saving): also return the state entering each chunk of chunk_size
+    positions and each row's den_t and m_t, the forward then running at that chunk length (its
+    own tuning decision), so that a backward walking the same chunks reads them.
     seq_major_h: h is written in the op's seq-major layout (ops/mlstm/op.h_like)."""
     S = q.shape[2]
     if not _supported(q, k, v, S, "fwd") or \
-            keep_chunk_states and not configs.keeping_forward_fits(q.shape[-1], v.shape[-1], q.element_size(),
-                                                                   chunk_size):
+            save and not configs.saving_forward_fits(q.shape[-1], v.shape[-1], q.element_size(), chunk_size):
         return NotImplemented
     padding = _padding(q.shape[-1], v.shape[-1])
-    if padding:  # (a keeping forward's states would not have the op's shapes: the lowering asks for none here)
-        if keep_chunk_states:
+    if padding:  # (a saving forward's states would not have the op's shapes: the lowering asks for none here)
+        if save:
             return NotImplemented
         C0, n0 = _pad(C0, *padding), _pad(n0, padding[0])
     q, k, v, i, f = (_strided(t) for t in (q, k, v, i, f))
-    if not keep_chunk_states:
+    if not save:
         cfg = _tuned("fwd", q, v, lambda c: _forward(c, q, k, v, i, f, C0, n0, m0, eps, seq_major_h))
         return _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, seq_major_h)
-    run = lambda c: _forward_keeping(c, q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h)  # noqa: E731
+    run = lambda c: _forward_saving(c, q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h)  # noqa: E731
     return run(_tuned("fwd", q, v, run, kept=True, chunk=chunk_size))
 
 
@@ -354,28 +350,28 @@ def _masks(dims: dict) -> dict:
     return dict(pad_k=dims["DK"] != dims["DKR"], pad_v=dims["DV"] != dims["DVR"])
 
 
-def forward_keeping_states(key, q, *args):
-    """Kernel path for xaccel::mlstm_with_chunk_states: forward() keeping its chunk states."""
-    return forward(key, q, *args, keep_chunk_states=True)
+def forward_saving(key, *args):
+    """Kernel path for xaccel::mlstm_saving."""
+    return forward(key, *args, save=True)
 
 
-def _forward_keeping(cfg, q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h):
+def _forward_saving(cfg, q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h):
     assert cfg["L"] == chunk_size, (cfg, chunk_size)
-    h, C, n, m, states, rows = _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, seq_major_h, keep=True)
-    kept = [t.view(shape) for t, (shape, _) in zip((*states, rows), chunk_states_shapes(q, v, chunk_size))]
+    h, C, n, m, states, rows = _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, seq_major_h, save=True)
+    kept = [t.view(shape) for t, (shape, _) in zip((*states, rows), kept_shapes(q, v, chunk_size))]
     return (h, C, n, m, *kept)
 
 
 def backward_reads_kept_states(device_type: str, dtype: torch.dtype, DK: int, DV: int, chunk_size: int) -> bool:
-    """Whether keeping the chunk states in a training graph pays: the kernels run there (CUDA, or
+    """Whether saving the chunk states in a training graph pays: the kernels run there (CUDA, or
     Triton's interpreter) and every backward config they may pick walks chunks of chunk_size, so
     the kept states replace the backward's scan. Else (the CPU reference, whose backward ignores
     them; fp32 from DQK 256, whose backward chunks are 16-32; a chunk size the kernels do not
-    take) they would be held for nothing (lowering/mlstm/chunk_states.py asks)."""
+    take) they would be held for nothing (lowering/mlstm/saving.py asks)."""
     if chunk_size not in configs.CHUNKS or dtype not in configs.DTYPES or DK not in configs.HEAD_DIMS \
             or DV not in configs.HEAD_DIMS:
         return False
-    if not configs.keeping_forward_fits(DK, DV, dtype.itemsize, chunk_size):
+    if not configs.saving_forward_fits(DK, DV, dtype.itemsize, chunk_size):
         return False  # the op would run its reference
     if interpreting():
         return (device_type == "cpu" and dtype != torch.bfloat16
@@ -384,25 +380,25 @@ def backward_reads_kept_states(device_type: str, dtype: torch.dtype, DK: int, DV
     return device_type == "cuda" and bool(cands) and all(c["L"] == chunk_size for c in cands)
 
 
-def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, seq_major_h=False, keep=False):
-    """keep: also return the chunk states and each row's (den_t, m_t) [B*H, 2, S] fp32."""
+def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, seq_major_h=False, save=False):
+    """save: also return the chunk states and each row's (den_t, m_t) [B*H, 2, S] fp32."""
     B, H, S = q.shape[:3]
     dims = _head(q, v)
     DKR, DVR = dims["DKR"], dims["DVR"]
     L = cfg["L"]
     (Cs, ns, ms), (C, n, m) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
     h = h_like(q, v, seq_major_h)
-    rows = torch.empty(B * H * 2 * S, dtype=torch.float32, device=q.device) if keep else None
+    rows = torch.empty(B * H * 2 * S, dtype=torch.float32, device=q.device) if save else None
     NC = -(-S // L)
-    args = (q, k, v, i, f, h, Cs, ns, ms, *((rows,) if keep else ()), *_rows(q, k, v, i, f, h), S, NC, DKR ** -0.5,
+    args = (q, k, v, i, f, h, Cs, ns, ms, *((rows,) if save else ()), *_rows(q, k, v, i, f, h), S, NC, DKR ** -0.5,
             eps)
     meta = dict(**dims, BV=cfg["BV"], L=L, num_warps=cfg["warps"], num_stages=cfg["stages"])
     if cfg.get("BKQ"):  # the sliced output kernel (SLICED)
         meta["BKQ"] = cfg["BKQ"]
-    _launch(_kernel("mlstm_fwd.py.jinja", q.dtype, k_loop=bool(cfg.get("BKQ")), save_rows=keep, **_masks(dims)),
+    _launch(_kernel("mlstm_fwd.py.jinja", q.dtype, k_loop=bool(cfg.get("BKQ")), save_rows=save, **_masks(dims)),
             (B * H * NC * _tiles(DVR, cfg["BV"]),), *args, **meta)  # (flat: the templates' flat_ids)
     C, n = C[..., :DKR, :DVR], n[..., :DKR]  # (views: the whole state where the head is not padded)
-    if keep:
+    if save:
         return h, C, n, m, (Cs, ns, ms), rows
     return h, C, n, m
 
@@ -460,15 +456,14 @@ _STEP_PLANS: dict = {}
 _STEP_LAUNCHES = LaunchCache()  # keyed by (kernel key, dtype, device, B, H, DK, DV)
 
 
-def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=None, chunk_states=()):
+def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=None, kept=()):
     """Kernel path for xaccel::mlstm's backward (same contract as ops/mlstm/reference_backward.backward),
     or NotImplemented. In order: the chunk-state scan again (skipped when the forward kept its
-    states, chunk_states = [Cs, ns, ms, rows, C, n, m] at chunk_size, and the config's chunk is
+    states, kept = [Cs, ns, ms, rows, C, n, m] at chunk_size, and the config's chunk is
     chunk_size), per-row normalizer terms (from the saved output h and, with kept states, the
     forward's den_t and m_t; else q k^T again; h recomputed when absent), the
     reverse state-gradient scan, then every chunk's dq, dk, dv and gate gradients in parallel.
-    The eps term is routed through the stabilizer max in one kernel (route_max_grad), or with
-    settings' fused_route off in torch (a cummax over [B, H, S])."""
+    The eps term is routed through the stabilizer max in one kernel (route_max_grad)."""
     B, H, S, DK = q.shape
     DV = v.shape[-1]
     if not _supported(q, k, v, S, "bwd") or dh is None and gC is None:
@@ -486,21 +481,21 @@ def backward(key, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h=
     padding = _padding(DK, DV)
     if padding:  # (no kept states: the lowering keeps none at a padded head)
         pk, pv = padding
-        gC, gn, C0, n0, chunk_states = _pad(gC, pk, pv), _pad(gn, pk), _pad(C0, pk, pv), _pad(n0, pk), ()
-    kept = _kept_states(chunk_states, q, v, chunk_size)
+        gC, gn, C0, n0, kept = _pad(gC, pk, pv), _pad(gn, pk), _pad(C0, pk, pv), _pad(n0, pk), ()
+    kept = _kept_states(kept, q, v, chunk_size)
     cfg = _tuned("bwd", q, v, lambda c: _backward(c, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept),
                  kept=kept is not None)
     return _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept)
 
 
-def _kept_states(chunk_states, q, v, chunk_size):
+def _kept_states(kept, q, v, chunk_size):
     """(chunk_size, (Cs, ns, ms) flat as chunk_states() returns them, rows flat, (C, n, m)) from
     the forward's kept states, or None when there are none or they do not have the layout the
     kernels read (then the backward reruns the scan and recomputes the row terms)."""
-    if not chunk_states:
+    if not kept:
         return None
-    Cs, ns, ms, rows, C, n, m = chunk_states
-    want = chunk_states_shapes(q, v, chunk_size)
+    Cs, ns, ms, rows, C, n, m = kept
+    want = kept_shapes(q, v, chunk_size)
     if any(tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous()
            for t, (shape, dtype) in zip((Cs, ns, ms, rows), want)):
         return None
@@ -513,8 +508,8 @@ def route_max_grad(dm, gm, dmT, i, f, rs, cdc, L, m0=None):
     (mlstm_bwd_route): the gates' gradients with the stabilizers fixed from q.dq and k.dk per row
     and DK tile (rs, [B*H, tiles, 2, S]) and <C, dC> at each chunk's end (cdc, [B*H, NC]; chunk
     length L), plus the eps term dm [B, H, S] (gm + dmT.sum(-1) added to its last row) routed
-    through the stabilizer max: what _backward's torch tail computes with
-    ops/mlstm/reference_backward.route_max_grads."""
+    through the stabilizer max: what gates_from_row_sums and
+    ops/mlstm/reference_backward.route_max_grads compute in torch (the tests' oracle)."""
     from ..limits import next_power_of_2
 
     B, H, S = i.shape
@@ -541,8 +536,7 @@ def gates_from_row_sums(rs, cdc, dmT, B: int, H: int, S: int, L: int):
     every weight depends on the gates through b_t - b_s + i_s alone. Summed per chunk, with the
     rows after a chunk entering as <C, dC> at its end (taken by the reverse scan), bf16 state
     rounding does not accumulate along the row as a whole-row cumsum's does. What mlstm_bwd_route
-    computes before routing the eps term; the torch tail (settings' fused_route off) and the tests
-    use it."""
+    computes before routing the eps term: the tests' oracle for it."""
     import torch.nn.functional as F
 
     NC = -(-S // L)
@@ -554,31 +548,25 @@ def gates_from_row_sums(rs, cdc, dmT, B: int, H: int, S: int, L: int):
 
 
 def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None):
-    import torch.nn.functional as F
-
     B, H, S = q.shape[:3]
     dims = _head(q, v)
     DKR, DVR = dims["DKR"], dims["DVR"]
     scale, masks = DKR ** -0.5, _masks(dims)
     dev, f32 = q.device, torch.float32
     L, BK, BVS, warps, stages = cfg["L"], cfg["BK"], cfg["BVS"], cfg["warps"], cfg["stages"]
-    switches = settings.current()
-    row_factors = switches.scan_row_factors
     NC = -(-S // L)
     grid = _state_grid(B * H, dims, BK, BVS)
     NT = _state_tiles(dims, BK, BVS)
     rows = None
     if kept is not None and kept[0] == L:  # the forward's states and row terms: no second scan, no q k^T
         (Cs, ns, ms), rows, (CT, nT, mT) = kept[1:]
-        rows = rows if switches.saved_rows else None
     else:
         (Cs, ns, ms), (CT, nT, mT) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
     N, dden, dm = (torch.empty(B, H, S, device=dev, dtype=f32) for _ in range(3))
     # the scan's row factors r/N, r dden [B, H, S] and each chunk's log forget product g [B*H*NC]
-    factors = [torch.empty(n, device=dev, dtype=f32) for n in (B * H * S, B * H * S, B * H * NC)] \
-        if row_factors else []
+    factors = [torch.empty(n, device=dev, dtype=f32) for n in (B * H * S, B * H * S, B * H * NC)]
     saved = (rows,) if rows is not None else ()
-    _launch(_kernel("mlstm_bwd_rows.py.jinja", q.dtype, row_factors=row_factors, saved_rows=bool(saved), **masks),
+    _launch(_kernel("mlstm_bwd_rows.py.jinja", q.dtype, saved_rows=bool(saved), **masks),
         (B * H, NC), q, k, i, f, h, dh, ns, ms, *saved, N, dden, dm, *factors, *_rows(q, k, i, f, h, dh),
         S, NC, scale, eps, **dims, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
     dCs, dns = _state_buffer(Cs.shape, Cs.dtype, dev), _state_buffer(ns.shape, ns.dtype, dev)
@@ -588,9 +576,9 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
     dmT = torch.empty(B * H, NT, device=dev, dtype=f32)
     dg = torch.empty(B * H, NC, NT, device=dev, dtype=f32)  # per (chunk, scan tile) parts of <C, dC> at the chunk's end
     final = (gC, gn, CT, nT) if gC is not None else ()
-    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, row_factors=row_factors, final_grads=bool(final), **masks),
-        grid, q, dh, i, f, N, dden, Cs, ns, ms, *final, mT, dCs, dns, dg, dmT, dC0, dn0,
-        *factors, *_rows(q, dh, i, f), S, NC, NT, **dims, BK=BK, BV=BVS, L=L, num_warps=configs.scan_warps(cfg),
+    _launch(_kernel("mlstm_bwd_states.py.jinja", q.dtype, final_grads=bool(final), **masks),
+        grid, q, dh, Cs, ns, ms, *final, mT, dCs, dns, dg, dmT, dC0, dn0,
+        *factors, *_rows(q, dh), S, NC, NT, **dims, BK=BK, BV=BVS, L=L, num_warps=configs.scan_warps(cfg),
         num_stages=stages)
     # the stabilizer of the state leaving each chunk, which scales its gradient in dCs, dns
     me = torch.cat((ms.view(B * H, NC)[:, 1:], mT.reshape(B * H, 1).float()), 1).contiguous()
@@ -619,15 +607,7 @@ def _backward(cfg, dh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, h, kept=None)
             q, k, v, i, f, dh, Cs, ns, ms, me, dCs, dns, N, dden, dq, dk, dv, rs,
             *_rows(q, k, v, i, f, dh, dq, dk, *(() if DVS else (dv,))), S, NC, scale,
             **dims, BV=cfg["BV"], L=L, num_warps=warps, num_stages=stages)
-    m0s = m0.float() if C0 is not None else None
-    if switches.fused_route:
-        di_out, df_out, r_dm0 = route_max_grad(dm, gm, dmT, i, f, rs, dg, L, m0s)
-    else:
-        di, dlogf = gates_from_row_sums(rs, dg, dmT, B, H, S, L)
-        dm[..., -1] += gm + dmT.sum(-1).view(B, H)
-        i32, f32_ = i.float(), f.float()
-        r_di, r_dlogf, r_dm0 = route_max_grads(dm, i32, F.logsigmoid(f32_).cumsum(-1), m0s)
-        di_out, df_out = (di + r_di).to(i.dtype), ((dlogf + r_dlogf) * torch.sigmoid(-f32_)).to(f.dtype)
+    di_out, df_out, r_dm0 = route_max_grad(dm, gm, dmT, i, f, rs, dg, L, m0.float() if C0 is not None else None)
     grads = [dq, dk, dv, di_out, df_out]
     if C0 is not None:  # dC0, dn0: stabilized by m0, as C0 and n0 are (cut where the head is padded:
         # the tiles past the true dims are unwritten)

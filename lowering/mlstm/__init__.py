@@ -6,5 +6,6 @@
   calls substituted while Dynamo traced (substitutions.py) reported; what the walk left over:
   mLSTM-shaped regions found by data flow (regions.py), proven by running them and replaced by
   xaccel.mlstm (with start and final states) or xaccel.mlstm_step (provenance.py)
-- chunk_states.py (after the passes, training graphs): mLSTMs keep their chunk states for the backward
+- saving.py (after the passes, training graphs): mLSTMs keep their chunk states for the backward
+  (xaccel::mlstm_saving)
 """

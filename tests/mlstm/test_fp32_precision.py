@@ -193,17 +193,6 @@ def _reference(x, st, cots):
 NAMES = ["h", "C", "n", "m", "dq", "dk", "dv", "di", "df", "dC0", "dn0"]
 
 
-@pytest.fixture
-def default_configs(monkeypatch):
-    """The default configs, untuned (as tests/mlstm/test_gpu_kernels.py: every candidate is checked
-    there; tuning each shape class here would compile them all at both precisions)."""
-    import dataclasses
-
-    from torch_xaccel.codegen.mlstm import settings
-
-    monkeypatch.setattr(settings, "_CURRENT", dataclasses.replace(settings.current(), tune=False))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,H,S,DK,DV,with_state", [(2, 3, 333, 128, 128, False), (1, 2, 200, 64, 256, True),
                                                      (1, 2, 150, 256, 256, False)])

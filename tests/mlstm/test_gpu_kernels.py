@@ -1,23 +1,14 @@
 """CUDA: the generated Triton mLSTM forward against the fp32 reference (bf16, fp16), odd S,
 DQK != DV, with and without initial states; the op dispatches to it."""
-import dataclasses
-
 import pytest
 import torch
 
 from tests.helpers import rel_err
-from torch_xaccel.codegen.mlstm import settings as mlstm_settings
 from torch_xaccel.ops import mlstm
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def _default_configs(monkeypatch):
-    """Every shape class would tune its kernel configs (2-3 candidates each); tests of the kernels'
-    math use the defaults, and the candidates are checked one by one below."""
-
-    monkeypatch.setattr(mlstm_settings, "_CURRENT", dataclasses.replace(mlstm_settings.current(), tune=False))
+# every shape class would tune its kernel configs (2-3 candidates each): tests of the kernels' math
+# use the defaults (tests/mlstm/conftest.py), and the candidates are checked one by one below
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("default_configs")]
 
 
 def _assert_grads_close(got, want, C0, n0, tol=5e-2):
@@ -124,7 +115,7 @@ def test_tuning_persists_a_decision_and_ignores_a_corrupt_entry(monkeypatch, tmp
     from torch_xaccel.codegen import cache
     from torch_xaccel.codegen.mlstm import triton_kernels as mlstm_triton
 
-    monkeypatch.setattr(mlstm_settings, "_CURRENT", dataclasses.replace(mlstm_settings.current(), tune=True))
+    monkeypatch.delenv("XACCEL_TUNE")  # (the module's default_configs sets it to 0)
     monkeypatch.setenv("XACCEL_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(mlstm_triton, "_CHOSEN", {})
     x = [torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
@@ -142,7 +133,6 @@ def test_tuning_persists_a_decision_and_ignores_a_corrupt_entry(monkeypatch, tmp
 def test_tune_off_times_nothing_and_stores_nothing(monkeypatch, tmp_path):
     from torch_xaccel.codegen.mlstm import triton_kernels as mlstm_triton
 
-    monkeypatch.setattr(mlstm_settings, "_CURRENT", dataclasses.replace(mlstm_settings.current(), tune=True))
     monkeypatch.setenv("XACCEL_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("XACCEL_TUNE", "0")
     monkeypatch.setattr(mlstm_triton, "_CHOSEN", {})
@@ -204,11 +194,11 @@ def test_padded_head_dims_forward_and_gradients_through_kernels(DK, DV):
     _assert_grads_close(got_g, want_g, st[0], st[1])
 
 
-@pytest.mark.parametrize("op", ["mlstm", "mlstm_with_chunk_states"])
+@pytest.mark.parametrize("op", ["mlstm", "mlstm_saving"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_op_forward_and_gradients_through_kernels(dtype, op):
     """The op end to end (forward kernels, backward kernels fed the saved h, and with
-    mlstm_with_chunk_states the forward's chunk states) against autograd of the fp64 reference:
+    mlstm_saving the forward's chunk states) against autograd of the fp64 reference:
     h within 1e-2, every gradient within 5e-2 (bf16 inputs)."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 2, 211, 64, device="cuda").to(dtype).requires_grad_() for _ in range(3))
@@ -277,7 +267,7 @@ def test_backward_kernel_matches_analytic_backward(B, H, S, DK, DV, with_state):
                     *(t.double() if t is not None else None for t in st))
     _assert_grads_close(got, want, *st[:2])
     # from the chunk states a training graph's forward keeps (no second scan where the chunk is 64)
-    h, C, n, m, *kept = mlstm_triton.forward(None, *x, *st, 1e-6, 64, keep_chunk_states=True)
+    h, C, n, m, *kept = mlstm_triton.forward(None, *x, *st, 1e-6, 64, save=True)
     _assert_grads_close(mlstm_triton.backward(None, *cots, *x, *st, 1e-6, 64, h, [*kept, C, n, m]), want, *st[:2])
 
 
@@ -328,7 +318,7 @@ def test_backward_with_input_gates_past_fp32_exp_range(dtype, with_state):
     assert got is not NotImplemented
     assert all(torch.isfinite(g).all() for g in got if g is not None)
     _assert_grads_close(got, want, *st[:2], tol=tol)
-    h, C, n, m, *kept = mlstm_triton.forward(None, *x, *st, 1e-6, 64, keep_chunk_states=True)
+    h, C, n, m, *kept = mlstm_triton.forward(None, *x, *st, 1e-6, 64, save=True)
     got = mlstm_triton.backward(None, *cots, *x, *st, 1e-6, 64, h, [*kept, C, n, m])
     assert all(torch.isfinite(g).all() for g in got if g is not None)
     _assert_grads_close(got, want, *st[:2], tol=tol)
@@ -368,11 +358,9 @@ def test_gate_gradients_from_row_sums_stay_accurate(S, DK, DV, with_state, fast)
 
 @pytest.mark.parametrize("B,H,S,state,gates", [(8, 16, 8192, False, torch.bfloat16), (2, 3, 2500, True, torch.float32),
                                                (1, 2, 37, True, torch.bfloat16)])
-def test_fused_route_matches_torch_route(monkeypatch, B, H, S, state, gates):
-    """mlstm_bwd_route (settings' fused_route, the default) against the torch tail it replaces, on
-    the GPU (its barrier between the two passes, 1024-blocks across a long row); then the whole
-    backward with the torch tail (kept for the A/B in mlstm_sweep.py --route-ab) against the
-    analytic fp64 backward, as every other backward test checks the fused one."""
+def test_fused_route_matches_torch_route(B, H, S, state, gates):
+    """mlstm_bwd_route against the same computation in torch (gates_from_row_sums, route_max_grads)
+    on the GPU: its barrier between the two passes, 1024-blocks across a long row."""
     import torch.nn.functional as F
 
     from torch_xaccel.codegen.mlstm import triton_kernels as mlstm_triton
@@ -393,8 +381,6 @@ def test_fused_route_matches_torch_route(monkeypatch, B, H, S, state, gates):
     got = mlstm_triton.route_max_grad(dm, gm, dmT, i, f, rs, cdc, L, m0)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and rel_err(g, w) <= (1e-5 if gates == torch.float32 else 1e-2)
-    monkeypatch.setattr(mlstm_settings, "_CURRENT", dataclasses.replace(mlstm_settings.current(), fused_route=False))
-    test_backward_kernel_matches_analytic_backward(1, 2, 257, 64, 128, True)
 
 
 def test_first_call_inside_a_cuda_graph_capture_uses_the_default_and_persists_nothing(monkeypatch, tmp_path):
@@ -402,7 +388,7 @@ def test_first_call_inside_a_cuda_graph_capture_uses_the_default_and_persists_no
     a later uncaptured call still tunes."""
     from torch_xaccel.codegen.mlstm import triton_kernels as mlstm_triton
 
-    monkeypatch.setattr(mlstm_settings, "_CURRENT", dataclasses.replace(mlstm_settings.current(), tune=True))
+    monkeypatch.delenv("XACCEL_TUNE")  # (the module's default_configs sets it to 0)
     monkeypatch.setenv("XACCEL_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(mlstm_triton, "_CHOSEN", {})
     x = [torch.randn(1, 2, 200, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]

@@ -267,16 +267,16 @@ def test_patterns_switch_excludes_mlstm(xaccel_env):
 
 
 @pytest.mark.parametrize("keep", ["1", "0"])
-def test_training_graph_keeps_chunk_states_unless_switched_off(xaccel_env, monkeypatch, keep):
+def test_training_graph_saves_chunk_states_unless_switched_off(xaccel_env, monkeypatch, keep):
     """Where the kernels' backward would read them, a training graph's mLSTM keeps its chunk
-    states (xaccel.mlstm_with_chunk_states, noted in the report) and its backward op receives
-    them; XACCEL_MLSTM_KEEP_STATES=0 leaves it xaccel.mlstm, whose backward recomputes them (less
+    states (xaccel.mlstm_saving, noted in the report) and its backward op receives
+    them; XACCEL_MLSTM_SAVING=0 leaves it xaccel.mlstm, whose backward recomputes them (less
     memory held). Forward and gradients equal to eager either way. (On this CPU the reference
     runs, whose backward would ignore them, so the test says the kernels' backward reads them.)"""
     from torch_xaccel.codegen import mlstm as mlstm_kernels
     from torch_xaccel.ops import mlstm as mlstm_op
 
-    xaccel_env(XACCEL_MLSTM_KEEP_STATES=keep)
+    xaccel_env(XACCEL_MLSTM_SAVING=keep)
     monkeypatch.setattr(mlstm_kernels, "backward_reads_kept_states", lambda *a: True)
     kept, handed = [], []
     reference_saving = mlstm_op.op._reference_saving

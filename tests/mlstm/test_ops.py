@@ -97,15 +97,15 @@ def test_ops_gradcheck_with_and_without_state():
 
 
 @pytest.mark.parametrize("with_state", [False, True])
-def test_op_with_chunk_states_keeps_the_state_entering_each_chunk(with_state):
-    """xaccel::mlstm_with_chunk_states (a training graph's mlstm): outputs 0-3 are mlstm's, kept
+def test_saving_op_keeps_the_state_entering_each_chunk(with_state):
+    """xaccel::mlstm_saving (a training graph's mlstm): outputs 0-3 are mlstm's, kept
     state c is the final state after the first c chunks (the reference run on them alone), and
     the row terms are each row's den and m: h = num / (max(|den|, exp(-m)) + eps) with the
     numerator of the defining formula; its gradients pass gradcheck (the kept values carry no
     gradient)."""
     x, state = _inputs(S=37, seed=3)
     st = state if with_state else (None, None, None)
-    got = torch.ops.xaccel.mlstm_with_chunk_states(*x, *st, 1e-6, 8)
+    got = torch.ops.xaccel.mlstm_saving(*x, *st, 1e-6, 8)
     for a, b in zip(got[:4], torch.ops.xaccel.mlstm(*x, *st, 1e-6, 8)):
         assert torch.equal(a, b)
     Cs, ns, ms, rows = got[4:]
@@ -123,13 +123,13 @@ def test_op_with_chunk_states_keeps_the_state_entering_each_chunk(with_state):
         assert _rel(Cs[:, :, c], C) < 1e-12 and _rel(ns[:, :, c], n) < 1e-12 and _rel(ms[:, :, c], m) < 1e-12
     xg, stg = _inputs(B=1, H=2, S=11, DK=4, DV=3, grad=True)
     args = (*xg, *stg) if with_state else xg
-    op = torch.ops.xaccel.mlstm_with_chunk_states
+    op = torch.ops.xaccel.mlstm_saving
     fn = (lambda *a: op(*a, 1e-6, 4)[:4]) if with_state else (lambda *a: op(*a, None, None, None, 1e-6, 4)[0])
     assert torch.autograd.gradcheck(fn, args, atol=1e-6)
     assert not any(t.requires_grad for t in op(*args, *([] if with_state else [None] * 3), 1e-6, 4)[4:])
 
 
-@pytest.mark.parametrize("op", ["mlstm", "mlstm_with_chunk_states"])
+@pytest.mark.parametrize("op", ["mlstm", "mlstm_saving"])
 def test_seq_major_h_is_the_same_h_in_the_layout_the_fake_promises(op):
     """seq_major_h: the same values, h laid out as a contiguous [B, S, H, DV], as the fake says
     (here through the reference path, which the op copies into that layout); gradients pass

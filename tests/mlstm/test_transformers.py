@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import torch_xaccel
 from tests.helpers import rel_err
-from torch_xaccel.bench import transformers_cache, transformers_cache_of, transformers_xlstm_without_package
+from torch_xaccel.bench.model import transformers_cache, transformers_cache_of, transformers_xlstm_without_package
 from torch_xaccel.report import Report, collect
 
 transformers = pytest.importorskip("transformers")
@@ -23,7 +23,7 @@ TOL = 1e-4
 @pytest.fixture(params=["xlstm present", "xlstm hidden"])
 def modeling(request):
     """transformers' xlstm module as a user gets it with the xlstm package, or without it (its own
-    in-file copy of the kernels; bench.transformers_xlstm_without_package)."""
+    in-file copy of the kernels; bench.model.transformers_xlstm_without_package)."""
     if request.param == "xlstm present":
         pytest.importorskip("xlstm")
         mod = importlib.import_module(MODULE)
@@ -84,9 +84,9 @@ def test_prefill_then_decode_through_the_cache(modeling):
 
 
 def test_bench_cache_copy_holds_the_same_states_in_new_memory(modeling):
-    """bench.transformers_cache_copy (reduce-overhead decode rows): the cache's states move out of
+    """bench.model.transformers_cache_copy (reduce-overhead decode rows): the cache's states move out of
     the prefill's output memory, and decoding from the copy gives the original's logits."""
-    from torch_xaccel.bench import transformers_cache_copy
+    from torch_xaccel.bench.model import transformers_cache_copy
 
     model = _model(modeling, qk=1.0).eval()
     g = torch.Generator().manual_seed(5)

@@ -315,7 +315,7 @@ def test_kernels_read_transposed_inputs_in_place(monkeypatch):
     # row terms at its own chunk and rescans (recomputing the row terms) at another
     for chunk, scans_bwd in ((L, 0), (L // 2, 1)):
         launched.clear(), row_terms.clear()
-        h, C, n, m, Cs, ns, ms, rows = tm.forward(None, *x, None, None, None, 1e-6, chunk, keep_chunk_states=True)
+        h, C, n, m, Cs, ns, ms, rows = tm.forward(None, *x, None, None, None, 1e-6, chunk, save=True)
         assert Cs.shape == (B, H, -(-S // chunk), DK, DV) and ns.shape == (B, H, -(-S // chunk), DK)
         assert rows.shape == (B, H, 2, S)
         assert launched.count("mlstm_chunk_states.py.jinja") == 1
@@ -331,14 +331,11 @@ def test_kernels_read_transposed_inputs_in_place(monkeypatch):
 
 
 KEPT_SCRIPT = textwrap.dedent("""
-    import os, sys, torch
+    import os, torch
     os.environ["TRITON_INTERPRET"] = "1"
     from torch_xaccel.ops import mlstm
     from torch_xaccel.ops.mlstm.reference_backward import backward as analytic
     from torch_xaccel.codegen.mlstm import configs as mlstm_configs, triton_kernels as mlstm_triton
-    # the scans on precomputed gate terms (default) or recomputing them (the A/B switches)
-    from torch_xaccel.codegen.mlstm import settings as mlstm_settings
-    mlstm_settings.configure(chunk_scan_factors=sys.argv[1] == "1", scan_row_factors=sys.argv[1] == "1")
     torch.manual_seed(2)
     bad = 0
     L = mlstm_configs.forward_config(16, 32)["L"]
@@ -361,11 +358,11 @@ KEPT_SCRIPT = textwrap.dedent("""
         for chunk in (L, 2 * L):  # the backward's chunk (it reads the kept values), and another (it rescans)
             want = mlstm.reference.forward(*(t.double() for t in x),
                                            *(t.double() if t is not None else None for t in st),
-                                           chunk_size=chunk, keep_chunk_states=True)
-            got = mlstm_triton.forward(None, *x, *st, 1e-6, chunk, keep_chunk_states=True)
+                                           chunk_size=chunk, save=True)
+            got = mlstm_triton.forward(None, *x, *st, 1e-6, chunk, save=True)
             errs = [rel(g, w) for g, w in zip(got, want)]
             # the kernels' backward on kept states: its own, and the reference's (a forward that fell back)
-            kept_ref = [t.float() for t in mlstm.reference.forward(*x, *st, chunk_size=chunk, keep_chunk_states=True)]
+            kept_ref = [t.float() for t in mlstm.reference.forward(*x, *st, chunk_size=chunk, save=True)]
             for source, outs in (("kernels", got), ("reference", kept_ref)):
                 g = mlstm_triton.backward(None, *cots, *x, *st, 1e-6, chunk, outs[0], [*outs[4:], *outs[1:4]])
                 errs += [((a.double() - w).norm() / w.norm()).item() for a, w in zip(g, want_g) if w is not None]
@@ -387,8 +384,8 @@ SEQ_MAJOR_SCRIPT = textwrap.dedent("""
         x = [torch.randn(B, S, H, DK).transpose(1, 2), torch.randn(B, H, S, DK), torch.randn(B, H, S, DV),
              torch.randn(B, H, S), torch.randn(B, H, S) + 2]
         for keep in (False, True):
-            plain = mlstm_triton.forward(None, *x, None, None, None, 1e-6, L, keep_chunk_states=keep)
-            seq = mlstm_triton.forward(None, *x, None, None, None, 1e-6, L, True, keep_chunk_states=keep)
+            plain = mlstm_triton.forward(None, *x, None, None, None, 1e-6, L, save=keep)
+            seq = mlstm_triton.forward(None, *x, None, None, None, 1e-6, L, True, save=keep)
             # the same kernel writing through other strides: the same values, h as a contiguous [B, S, H, DV]
             bad += not all(torch.equal(a, b) for a, b in zip(plain, seq))
             bad += not seq[0].transpose(1, 2).is_contiguous()
@@ -412,14 +409,11 @@ def test_seq_major_h_and_a_backward_without_final_state_gradients_in_interpreter
     assert interpret(SEQ_MAJOR_SCRIPT, tmp_path).count("\n") == 4
 
 
-@pytest.mark.parametrize("factors", ["1", "0"])
-def test_kept_chunk_states_match_reference_in_interpreter(tmp_path, factors):
+def test_kept_chunk_states_match_reference_in_interpreter(tmp_path):
     """Forward with kept chunk states and row terms (at the backward's chunk and at twice it) equal
     to the reference's in float64; the backward from kept states (the kernels' own, and the
-    reference's, as after a forward that fell back) equal to the analytic backward. With the
-    scans' gate terms precomputed (default) and recomputed per step (settings' chunk_scan_factors
-    and scan_row_factors off, the benchmarks' A/B path)."""
-    out = interpret(KEPT_SCRIPT, tmp_path, factors)
+    reference's, as after a forward that fell back) equal to the analytic backward."""
+    out = interpret(KEPT_SCRIPT, tmp_path)
     assert out.count("\n") == 4, out
 
 
@@ -483,7 +477,6 @@ ROUTE_SCRIPT = textwrap.dedent("""
     os.environ["TRITON_INTERPRET"] = "1"
     import torch.nn.functional as F
     from torch_xaccel.codegen.mlstm import configs as mlstm_configs, triton_kernels as mlstm_triton
-    from torch_xaccel.codegen.mlstm import settings as mlstm_settings
     from torch_xaccel.ops.mlstm.reference_backward import route_max_grads
     torch.manual_seed(0)
     bad = 0
@@ -509,48 +502,31 @@ ROUTE_SCRIPT = textwrap.dedent("""
                 for g, w in zip(got, want)]
         print((B, H, S, NT, state, ties), " ".join(f"{e:.1e}" for e in errs))
         bad += not all(e <= 1e-5 for e in errs)  # NaN fails too
-    # and the whole backward with the fused tail against the torch tail
-    B, H, S, DK, DV = 1, 2, 150, 32, 16
+    # and the whole backward, a split config (chunk 16) and the unsplit one over 1100 rows, against fp64
+    B, H, S, DK, DV = 1, 2, 1100, 32, 16
     x = [torch.randn(B, H, S, DK), torch.randn(B, H, S, DK), torch.randn(B, H, S, DV), torch.randn(B, H, S),
          torch.randn(B, H, S) + 2]
     st = [torch.randn(B, H, DK, DV) * .1, torch.randn(B, H, DK) * .1, torch.randn(B, H)]
     cots = [torch.randn(B, H, S, DV), torch.randn(B, H, DK, DV), torch.randn(B, H, DK), torch.randn(B, H)]
-    runs = []
-    for fused in (False, True):
-        mlstm_settings.configure(fused_route=fused)
-        runs.append(mlstm_triton.backward(None, *cots, *x, *st, 1e-6, 64))
-    errs = [((a - b).norm() / b.norm()).item() for a, b in zip(runs[1], runs[0])]
-    print("backward", " ".join(f"{e:.1e}" for e in errs))
-    bad += not all(e <= 1e-6 for e in errs)
-    # and a split config (chunk 16) and the unsplit one over 1100 rows, the fused tail against the
-    # torch tail and both against fp64
-    S = 1100
-    x = [torch.randn(B, H, S, DK), torch.randn(B, H, S, DK), torch.randn(B, H, S, DV), torch.randn(B, H, S),
-         torch.randn(B, H, S) + 2]
-    cots[0] = torch.randn(B, H, S, DV)
     h = mlstm_triton.forward(None, *x, *st, 1e-6, 64)[0]
     from torch_xaccel.ops.mlstm.reference_backward import backward as analytic
     want = analytic(*(c.double() for c in cots), *(t.double() for t in x + st), chunk_size=16)
     for cfg in (dict(mlstm_configs.fit(mlstm_configs.SPLIT2, DK, DV), L=16), dict(mlstm_configs.INTERPRETER_CONFIG)):
-        runs = []
-        for fused in (False, True):
-            mlstm_settings.configure(fused_route=fused)
-            runs.append(mlstm_triton._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, h))
-        errs = [((a - b).norm() / b.norm()).item() for a, b in zip(runs[1], runs[0])]
-        errs += [((g.double() - w).norm() / w.norm()).item() for g, w in zip(runs[1], want)]
-        print("backward", cfg, "(fused vs torch tail, fused vs fp64)", " ".join(f"{e:.1e}" for e in errs))
-        bad += not all(e <= 1e-6 for e in errs[:8]) or not all(e <= 1e-5 for e in errs[8:])
+        got = mlstm_triton._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, h)
+        errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want)]
+        print("backward", cfg, "(against fp64)", " ".join(f"{e:.1e}" for e in errs))
+        bad += not all(e <= 1e-5 for e in errs)
     raise SystemExit(bad)
 """)
 
 
 def test_fused_route_of_the_eps_term_matches_torch_in_interpreter(tmp_path):
-    """mlstm_bwd_route (settings' fused_route) routes dm through the stabilizer max like
-    route_max_grads: runs of the argmax across 1024-blocks, ties to the later index and to m0 as
-    torch.cummax breaks them, the final m's gradient added to the last row, di and df in the
-    gates' dtypes."""
+    """mlstm_bwd_route routes dm through the stabilizer max like route_max_grads: runs of the
+    argmax across 1024-blocks, ties to the later index and to m0 as torch.cummax breaks them, the
+    final m's gradient added to the last row, di and df in the gates' dtypes; the whole backward
+    through it (split and unsplit, over 1100 rows) equal to the analytic fp64 backward."""
     out = interpret(ROUTE_SCRIPT, tmp_path, timeout=900)
-    assert out.count("\n") == 7, out
+    assert out.count("\n") == 6, out
 
 
 FAST_DECAY_SCRIPT = textwrap.dedent("""
@@ -577,7 +553,6 @@ LARGE_GATES_SCRIPT = textwrap.dedent("""
     import os, torch
     os.environ["TRITON_INTERPRET"] = "1"
     from torch_xaccel.codegen.mlstm import configs as mlstm_configs, triton_kernels as mlstm_triton
-    from torch_xaccel.codegen.mlstm import settings as mlstm_settings
     from torch_xaccel.ops.mlstm.reference_backward import backward as analytic
     torch.manual_seed(0)
     B, H, S, DK, DV = 1, 2, 150, 32, 16
@@ -593,8 +568,7 @@ LARGE_GATES_SCRIPT = textwrap.dedent("""
         floor = [((g.double() - w).norm() / w.norm()).item() if w.norm() > 1e-30 else 0.0
                  for g, w in zip(ref32, want) if w is not None]
         h = mlstm_triton.forward(None, *x, *st, 1e-6, 64)[0]
-        for split, row_factors in ((False, True), (True, True), (True, False)):
-            mlstm_settings.configure(scan_row_factors=row_factors)
+        for split in (False, True):
             cfg = mlstm_configs.fit(mlstm_configs.SPLIT2 if split
                                     else dict(L=64, BV=32, BK=32, BVS=16, warps=4, stages=2), DK, DV)
             got = mlstm_triton._backward(cfg, cots[0], *cots[1:], *x, *st, 1e-6, h)
@@ -602,7 +576,7 @@ LARGE_GATES_SCRIPT = textwrap.dedent("""
             errs = [((g.double() - w).norm() / w.norm()).item() if w.norm() > 1e-30 else 0.0
                     for g, w in zip(got, want) if w is not None]
             finite = all(bool(torch.isfinite(g).all()) for g in got if g is not None)
-            print(shift, with_state, split, row_factors, finite,
+            print(shift, with_state, split, finite,
                   " ".join(f"{e:.1e}/{r:.1e}" for e, r in zip(errs, floor)))
             bad += not finite or not all(e <= max(2 * r, 1e-5) for e, r in zip(errs, floor))
     raise SystemExit(bad)
@@ -612,11 +586,11 @@ LARGE_GATES_SCRIPT = textwrap.dedent("""
 def test_backward_with_input_gates_near_fp32_exp_range_is_finite_and_accurate(tmp_path):
     """Input gates around +-95 in fp32: the states are ~e^95 and their true gradients ~e^-95, past
     fp32's range (exp overflows from 88.7). The backward carries the state gradient stabilized, so
-    every kernel variant (combined and split, the scan's row factors precomputed or not) stays
-    finite and as close to the fp64 reference as the op's fp32 reference backward is (within 2x:
-    fp32's rounding of such exponents); carried as the true-state gradient, both would be NaN."""
+    both kernel variants (combined and split) stay finite and as close to the fp64 reference as
+    the op's fp32 reference backward is (within 2x: fp32's rounding of such exponents); carried as
+    the true-state gradient, both would be NaN."""
     out = interpret(LARGE_GATES_SCRIPT, tmp_path, timeout=900)
-    assert out.count("True") >= 9, out  # nine runs, each finite
+    assert [line.split()[3] for line in out.splitlines()] == ["True"] * 6, out  # six runs, each finite
 
 
 @pytest.mark.parametrize("fmean,split", [(0.0, True), (-2.0, True), (-2.0, False)])

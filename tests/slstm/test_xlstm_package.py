@@ -140,8 +140,35 @@ def test_batch_fresh_rule_with_a_given_state_equal_to_eager(n_zero):
     E, B = 32, 3
     state = _state(B, E, n_zero=n_zero).requires_grad_()
     x = torch.randn(B, 5, E)
-    report = _compare(_layer(E, 2, 0), lambda m: m(x, slstm_state=state, return_last_state=True), leaves=(state,))
-    assert report.counts()["slstm"] == 1, str(report)
+    layer = _layer(E, 2, 0)
+    with collect() as graphs:
+        _within_eagers_own_error(layer, lambda m, x, state: m(x, slstm_state=state, return_last_state=True), x, state)
+    assert Report(graphs=graphs).counts()["slstm"] == 1, str(Report(graphs=graphs))
+
+
+def _within_eagers_own_error(model, fn, *inputs):
+    """fn(model, *inputs) compiled, its outputs and the gradients of the parameters and inputs
+    against float64 eager: each within 1e-5 relative or 3x fp32 eager's own error, whichever is
+    larger. For a state whose n is zero in some rows, the state's gradient is ill-conditioned:
+    fp32 eager itself is off by up to 4e-5 on about 1% of random inputs."""
+    import copy
+
+    def run(m, dtype):
+        ins = [t.detach().to(dtype).requires_grad_() for t in inputs]
+        outs = _flat(fn(m, *ins))
+        gen = torch.Generator().manual_seed(7)
+        loss = sum((o * torch.randn(o.shape, generator=gen).to(o.dtype)).sum() for o in outs)
+        leaves = [*m.parameters(), *ins]
+        return [t.double() for t in [*outs, *torch.autograd.grad(loss, leaves, allow_unused=True)]
+                if t is not None]
+
+    want = run(copy.deepcopy(model).double(), torch.float64)
+    eager = run(model, torch.float32)
+    torch._dynamo.reset()
+    got = run(torch.compile(model, backend="xaccel"), torch.float32)
+    assert len(got) == len(want) == len(eager)
+    for i, (g, e, w) in enumerate(zip(got, eager, want)):
+        assert rel_err(g, w) <= max(TOL, 3 * rel_err(e, w)), (i, rel_err(g, w), rel_err(e, w))
 
 
 def test_decode_steps_are_slstm_step_and_equal_to_eager():

@@ -308,7 +308,7 @@ class HFCausalLM(nn.Module):
 
     def __init__(self, size: dict, mode: str):
         super().__init__()
-        from torch_xaccel.bench import transformers_xlstm_without_package
+        from torch_xaccel.bench.model import transformers_xlstm_without_package
 
         modeling = transformers_xlstm_without_package()
         cfg = modeling.xLSTMConfig(vocab_size=size["vocab"], chunk_size=size.get("L", 64),
@@ -333,7 +333,7 @@ def xlstm_unavailable() -> str:
 def xlstm_block_stack(size: dict) -> nn.Module:
     """The xlstm package's xLSTMBlockStack as torch_xaccel.bench builds it (sLSTM blocks on the
     pure-PyTorch vanilla backend, random recurrent weights), on any device."""
-    from torch_xaccel.bench import xlstm_block_stack as build
+    from torch_xaccel.bench.model import xlstm_block_stack as build
 
     return build(size["d"], size["blocks"], size.get("slstm_at", []), "vanilla", size["B"], size["S"], size["nh"])
 

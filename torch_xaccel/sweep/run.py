@@ -170,7 +170,7 @@ def _settle_cutlass(call) -> str:
     """Background CUTLASS builds of the first call (XACCEL_CUTLASS default 1) finish and their
     cases retune in one untimed call, so the rounds time the steady state rather than a retune:
     torch_xaccel.bench's helper (the family's code stays behind the tools). "" when none was pending."""
-    from torch_xaccel.bench import _settle_cutlass as settle
+    from torch_xaccel.bench.model import _settle_cutlass as settle
 
     return settle(call).removeprefix(", then ").strip()
 
@@ -365,6 +365,7 @@ def run_row(row: dict, write) -> dict:
         res["choice"] = [str(getattr(g, "choice", "") or "") for g in rep.graphs]
         res["chosen"] = [str(getattr(g, "chosen", "") or "") for g in rep.graphs]
         res["region_choices"] = [line for g in rep.graphs for line in getattr(g, "region_choices", [])]
+        res["first_call_phases"] = [g.compile_line() for g in rep.graphs if hasattr(g, "compile_line")]
         graphs_after = len(rep.graphs)
         if graphs_after != res.get("graphs"):
             res["recompiled"] = f"xaccel graphs {res.get('graphs')} after the first call, {graphs_after} after timing"

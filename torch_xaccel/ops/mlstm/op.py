@@ -1,7 +1,7 @@
 """Registration of the mLSTM ops (schemas, fakes, autograd); their semantics are reference.py's.
 
-xaccel::mlstm, xaccel::mlstm_with_chunk_states (the same op keeping the state entering each
-chunk for its backward), xaccel::mlstm_backward (that backward as one opaque op) and
+xaccel::mlstm, xaccel::mlstm_saving (the same op also returning the state entering each chunk,
+which its backward reads), xaccel::mlstm_backward (that backward as one opaque op) and
 xaccel::mlstm_step (one recurrent step, for decoding).
 """
 from __future__ import annotations
@@ -14,10 +14,10 @@ from .. import checks
 from ..checks import ANY
 from ..recompute import recompute_grads
 from . import reference, reference_backward
-from .reference import chunk_states_shapes, compute_dtype
+from .reference import compute_dtype, kept_shapes
 
 OP_NAME = "mlstm"
-SAVING_OP_NAME = "mlstm_with_chunk_states"
+SAVING_OP_NAME = "mlstm_saving"
 
 
 def case_key(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False) -> tuple:
@@ -29,7 +29,7 @@ def _reference(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False):
 
 
 def _reference_saving(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False):
-    return reference.forward(q, k, v, i, f, C0, n0, m0, eps, chunk_size, keep_chunk_states=True)
+    return reference.forward(q, k, v, i, f, C0, n0, m0, eps, chunk_size, save=True)
 
 
 def _validate(op: str, q, k, v, i, f, C0, n0, m0, chunk_size) -> None:
@@ -94,13 +94,12 @@ def mlstm(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor | No
     return run(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h)
 
 
-@torch.library.custom_op("xaccel::mlstm_with_chunk_states", mutates_args=())
-def mlstm_with_chunk_states(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor | None,
-                            n0: Tensor | None, m0: Tensor | None, eps: float, chunk_size: int,
-                            seq_major_h: bool = False
-                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+@torch.library.custom_op("xaccel::mlstm_saving", mutates_args=())
+def mlstm_saving(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor | None, n0: Tensor | None,
+                 m0: Tensor | None, eps: float, chunk_size: int, seq_major_h: bool = False
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """xaccel::mlstm plus the state entering each chunk (C, n, m per chunk) and each row's den and
-    m (chunk_states_shapes), which its backward reads instead of recomputing them: the op a
+    m (kept_shapes), which its backward reads instead of recomputing them: the op a
     training graph runs where the kernels' backward reads them. Those and the final state are
     saved for the backward, so modifying any of them in place before it raises autograd's version
     error (as for any saved output)."""
@@ -128,10 +127,10 @@ def _fake_outputs(q, v, seq_major_h: bool) -> tuple:
             q.new_empty(B, H, DK, dtype=cd), q.new_empty(B, H, dtype=cd))
 
 
-@mlstm_with_chunk_states.register_fake
+@mlstm_saving.register_fake
 def _fake_saving(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False):
     _validate(SAVING_OP_NAME, q, k, v, i, f, C0, n0, m0, chunk_size)
-    kept = tuple(q.new_empty(shape, dtype=dtype) for shape, dtype in chunk_states_shapes(q, v, chunk_size))
+    kept = tuple(q.new_empty(shape, dtype=dtype) for shape, dtype in kept_shapes(q, v, chunk_size))
     return _fake_outputs(q, v, seq_major_h) + kept
 
 
@@ -149,12 +148,12 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # unused final states get None: the backward skips them
 
 
-def _backward_reference(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states):
+def _backward_reference(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, kept):
     return reference_backward.backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps=eps, chunk_size=chunk_size)
 
 
-def _backward_key(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states) -> tuple:
-    return (q.device.type, q.dtype, q.shape, v.shape, C0 is not None, bool(chunk_states))
+def _backward_key(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, kept) -> tuple:
+    return (q.device.type, q.dtype, q.shape, v.shape, C0 is not None, bool(kept))
 
 
 def gradient_strides(t: Tensor) -> tuple[int, ...]:
@@ -200,20 +199,20 @@ def _in_gradient_layout(g: Tensor, t: Tensor) -> Tensor:
 @torch.library.custom_op("xaccel::mlstm_backward", mutates_args=())
 def mlstm_backward(gh: Tensor | None, gC: Tensor | None, gn: Tensor | None, gm: Tensor | None, q: Tensor, k: Tensor,
                    v: Tensor, i: Tensor, f: Tensor, C0: Tensor | None, n0: Tensor | None, m0: Tensor | None,
-                   eps: float, chunk_size: int, h: Tensor | None, chunk_states: list[Tensor]) -> list[Tensor]:
+                   eps: float, chunk_size: int, h: Tensor | None, kept: list[Tensor]) -> list[Tensor]:
     """xaccel::mlstm's backward as one opaque op, so that traced backward graphs hold a single
     node whose kernel is picked at run time: [dq, dk, dv, di, df] (+ [dC0, dn0, dm0] with a state).
     h: the forward's output, when saved (the kernels use it; the reference does not need it).
-    chunk_states: [] or mlstm_with_chunk_states' kept states and row terms and its final state
+    kept: [] or xaccel::mlstm_saving's kept states and row terms and its final state
     [Cs, ns, ms, rows, C, n, m] (the kernels skip their state scan and q k^T for the row terms
     when their chunk length is chunk_size)."""
-    _validate_backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, chunk_size, h, chunk_states)
-    return run_backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states)
+    _validate_backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, chunk_size, h, kept)
+    return run_backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, kept)
 
 
-def _validate_backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, chunk_size, h, chunk_states) -> None:
+def _validate_backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, chunk_size, h, kept) -> None:
     """The forward's contract, plus the output gradients and h shaped as the forward's outputs and
-    chunk_states as mlstm_with_chunk_states' kept states and final state."""
+    kept as xaccel::mlstm_saving's kept states and final state (kept_shapes)."""
     op = "mlstm_backward"
     _validate(op, q, k, v, i, f, C0, n0, m0, chunk_size)
     B, H, S, DK = q.shape
@@ -224,20 +223,20 @@ def _validate_backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, chunk_size, h,
         if t is not None:
             checks.expect_shape(op, name, t, layout, shape)
             checks.expect_float(op, name, t)
-    if not chunk_states:
+    if not kept:
         return
     layouts = ("[B, H, NC, DK, DV]", "[B, H, NC, DK]", "[B, H, NC]", "[B, H, 2, S]")
-    kept = [(layout, shape) for layout, (shape, _) in zip(layouts, chunk_states_shapes(q, v, chunk_size))] + final
-    if len(chunk_states) != len(kept):
-        checks.fail(op, f"chunk_states must be [] or mlstm_with_chunk_states' {len(kept)} kept states "
-                        f"[Cs, ns, ms, rows, C, n, m], got {len(chunk_states)} tensors")
-    for j, (t, (layout, shape)) in enumerate(zip(chunk_states, kept)):
-        checks.expect_shape(op, f"chunk_states[{j}]", t, layout, shape)
-        checks.expect_float(op, f"chunk_states[{j}]", t)
+    want = [(layout, shape) for layout, (shape, _) in zip(layouts, kept_shapes(q, v, chunk_size))] + final
+    if len(kept) != len(want):
+        checks.fail(op, f"kept must be [] or xaccel::mlstm_saving's {len(want)} kept tensors "
+                        f"[Cs, ns, ms, rows, C, n, m], got {len(kept)}")
+    for j, (t, (layout, shape)) in enumerate(zip(kept, want)):
+        checks.expect_shape(op, f"kept[{j}]", t, layout, shape)
+        checks.expect_float(op, f"kept[{j}]", t)
 
 
-def run_backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states):
-    args = (gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states)
+def run_backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, kept):
+    args = (gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, kept)
     grads = _backward_reference(*args) if _empty(q, v) else runtime.dispatch(
         "mlstm_backward", _backward_key, _backward_reference, *args)
     dqkv = [_in_gradient_layout(g, t) for g, t in zip(grads[:3], (q, k, v))]
@@ -245,8 +244,8 @@ def run_backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, 
 
 
 @mlstm_backward.register_fake
-def _backward_fake(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, chunk_states):
-    _validate_backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, chunk_size, h, chunk_states)
+def _backward_fake(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, eps, chunk_size, h, kept):
+    _validate_backward(gh, gC, gn, gm, q, k, v, i, f, C0, n0, m0, chunk_size, h, kept)
     # dq, dk, dv in gradient_strides (their input's layout when dense), the rest contiguous
     return [gradient_like(t) for t in (q, k, v)] + [t.new_empty(t.shape) for t in
                                                     (i, f, *((C0, n0, m0) if C0 is not None else ()))]
@@ -262,7 +261,7 @@ def _backward(ctx, gh, gC, gn, gm, *_kept_grads):
 
 
 mlstm.register_autograd(_backward, setup_context=_setup_context)
-mlstm_with_chunk_states.register_autograd(_backward, setup_context=_setup_context)
+mlstm_saving.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---- xaccel::mlstm_step ------------------------------------------------------------------------
@@ -335,6 +334,6 @@ mlstm_step.register_autograd(_step_backward, setup_context=_step_setup_context)
 # called directly by compiled graphs (ops.DIRECT_CALLS), past the dispatcher: through it, a
 # training step's calls of these ops cost more host time than their kernels take (docs/benchmarks.md)
 DIRECT_CALLS = {torch.ops.xaccel.mlstm.default: run,
-                torch.ops.xaccel.mlstm_with_chunk_states.default: run_saving,
+                torch.ops.xaccel.mlstm_saving.default: run_saving,
                 torch.ops.xaccel.mlstm_backward.default: run_backward,
                 torch.ops.xaccel.mlstm_step.default: run_step}

@@ -19,12 +19,12 @@ chunks), in fp32 (float64 stays float64); it is the CPU path, the kernels' oracl
 body. S needs no relation to the chunk size: the tail is padded with positions that change
 nothing (logf = 0, i = -inf-like).
 
-xaccel::mlstm_with_chunk_states is the same op that also returns the state entering every chunk
-of chunk_size positions (in the kernels' layout) and each row's den[t] and m[t] at that chunking;
+xaccel::mlstm_saving is the same op that also returns the state entering every chunk of
+chunk_size positions (in the kernels' layout) and each row's den[t] and m[t] at that chunking;
 its backward reads them instead of rerunning the sequential state scan and q k^T. The lowering
 uses it when the graph trains and the kernels' backward would read them
-(lowering/mlstm/chunk_states.py), at the cost of holding those states until the backward
-(DQK/chunk_size x v's size; XACCEL_MLSTM_KEEP_STATES=0 declines).
+(lowering/mlstm/saving.py), at the cost of holding those states until the backward
+(DQK/chunk_size x v's size; XACCEL_MLSTM_SAVING=0 declines).
 """
 from __future__ import annotations
 
@@ -41,14 +41,14 @@ def compute_dtype(t: Tensor) -> torch.dtype:
 
 def forward(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor | None = None,
               n0: Tensor | None = None, m0: Tensor | None = None, eps: float = 1e-6,
-              chunk_size: int = 64, keep_chunk_states: bool = False) -> tuple[Tensor, ...]:
+              chunk_size: int = 64, save: bool = False) -> tuple[Tensor, ...]:
     """(h [B,H,S,DV] in q's dtype, C [B,H,DQK,DV], n [B,H,DQK], m [B,H]) — states in fp32/fp64;
-    keep_chunk_states adds the state entering each chunk: C [B,H,NC,DQK,DV] in q's dtype, n and m
-    in fp32/fp64, and each row's (den[t], m[t]) [B,H,2,S] in fp32/fp64 (the kernels' layout;
-    chunk_states_shapes)."""
+    save (xaccel::mlstm_saving) adds the state entering each chunk: C [B,H,NC,DQK,DV] in q's dtype,
+    n and m in fp32/fp64, and each row's (den[t], m[t]) [B,H,2,S] in fp32/fp64 (the kernels' layout;
+    kept_shapes)."""
     B, H, S, DK = q.shape
     if S == 0:
-        return _empty_sequence(q, v, C0, n0, m0, chunk_size, keep_chunk_states)
+        return _empty_sequence(q, v, C0, n0, m0, chunk_size, save)
     DV = v.shape[-1]
     out_dtype, cd = q.dtype, compute_dtype(q)
     L = chunk_size
@@ -62,22 +62,22 @@ def forward(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, C0: Tensor | 
         C, n, m = C0.to(cd), n0.to(cd), m0.to(cd)
     hs, entering, rows = [], [], []
     for c in range(0, S + pad, L):
-        if keep_chunk_states:
+        if save:
             entering.append((C, n, m))
         sl = slice(c, c + L)
         h_c, C, n, m, den, m_t = chunk_step(q[:, :, sl], k[:, :, sl], v[:, :, sl], i[:, :, sl], logf[:, :, sl],
                                             C, n, m, eps)
         hs.append(h_c)
-        if keep_chunk_states:
+        if save:
             rows.append(torch.stack((den, m_t), dim=2))                      # [B,H,2,L]
     h = torch.cat(hs, dim=2)[:, :, :S]
-    if keep_chunk_states:
+    if save:
         Cs, ns, ms = (torch.stack(t, dim=2) for t in zip(*entering))
         return h.to(out_dtype), C, n, m, Cs.to(out_dtype), ns, ms, torch.cat(rows, dim=3)[..., :S].contiguous()
     return h.to(out_dtype), C, n, m
 
 
-def _empty_sequence(q: Tensor, v: Tensor, C0, n0, m0, chunk_size: int, keep_chunk_states: bool) -> tuple[Tensor, ...]:
+def _empty_sequence(q: Tensor, v: Tensor, C0, n0, m0, chunk_size: int, save: bool) -> tuple[Tensor, ...]:
     """forward's results for S == 0: an empty h, the start state as the final state (copies: an op
     never returns its inputs; without one, C = n = 0 and m = -inf) and no chunks."""
     B, H, _, DK = q.shape
@@ -87,8 +87,8 @@ def _empty_sequence(q: Tensor, v: Tensor, C0, n0, m0, chunk_size: int, keep_chun
                  q.new_full((B, H), float("-inf"), dtype=cd))
     else:
         state = tuple(t.to(cd, copy=True) for t in (C0, n0, m0))
-    kept = [q.new_empty(shape, dtype=dtype) for shape, dtype in chunk_states_shapes(q, v, chunk_size)]
-    return (q.new_empty(B, H, 0, v.shape[-1]), *state, *(kept if keep_chunk_states else ()))
+    kept = [q.new_empty(shape, dtype=dtype) for shape, dtype in kept_shapes(q, v, chunk_size)]
+    return (q.new_empty(B, H, 0, v.shape[-1]), *state, *(kept if save else ()))
 
 
 def prepared(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, chunk_size: int) -> tuple[Tensor, ...]:
@@ -131,10 +131,10 @@ def chunk_step(qc: Tensor, kc: Tensor, vc: Tensor, ic: Tensor, logfc: Tensor, C:
     return h_c, C, n, m_new, den, m_t
 
 
-def chunk_states_shapes(q: Tensor, v: Tensor, chunk_size: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Shapes and dtypes of mlstm_with_chunk_states' extra outputs: the states entering each chunk,
-    C [B,H,NC,DQK,DV] in q's dtype (as the kernels store it), n [B,H,NC,DQK], m [B,H,NC], and each
-    row's (den[t], m[t]) [B,H,2,S] under that chunking."""
+def kept_shapes(q: Tensor, v: Tensor, chunk_size: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """What xaccel::mlstm_saving keeps for the backward (its extra outputs), as shapes and dtypes:
+    the states entering each chunk, C [B,H,NC,DQK,DV] in q's dtype (as the kernels store it),
+    n [B,H,NC,DQK], m [B,H,NC], and each row's (den[t], m[t]) [B,H,2,S] under that chunking."""
     B, H, S, DK = q.shape
     NC, cd = -(-S // chunk_size), compute_dtype(q)
     return [((B, H, NC, DK, v.shape[-1]), q.dtype), ((B, H, NC, DK), cd), ((B, H, NC), cd), ((B, H, 2, S), cd)]

@@ -1,0 +1,116 @@
+"""Is a compiled sweep row bound by the host or by the GPU, and which ops hold the host?
+
+For each sweep row given (labels as `bench sweep --list` prints them), the model uncompiled,
+under Inductor, and under xaccel with every replacement kept (XACCEL_CHOOSE=0) beside the eager and
+the Inductor rest, each timed three ways after warm-up:
+- wall: a plain call's time (calls back to back, the GPU synchronized after the batch);
+- host: the CPU time of one call while the GPU is held busy by a queued sleep, so no call waits
+  on the GPU: what the host spends to launch it;
+- GPU: CUDA-event time of the batch queued behind that sleep: the kernels' own time.
+A variant whose host time reaches its GPU time is host-bound. Then xaccel's call beside the
+eager rest under the torch profiler: the ops with the most CPU time of their own. Run on the GPU
+machine:
+
+    python benchmarks/host_cost.py --only "mlstm_paper d1024 NH4 (DH256) S2048 B8 bf16 fwd" [--calls 20]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import time
+
+import torch
+
+from torch_xaccel.sweep import forms
+from torch_xaccel.sweep.run import _make_call
+
+
+def _sleep_ms(ms: float) -> None:
+    torch.cuda._sleep(int(ms * 1.4e6))  # about 1.4 cycles per ns on an H100/H200
+
+
+def _times(call, calls: int) -> dict:
+    """wall, host and GPU ms per call (medians of 5 batches)."""
+    wall, host, gpu = [], [], []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+        wall.append((time.perf_counter() - t0) * 1e3 / calls)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        _sleep_ms(wall[-1] * calls * 1.5 + 20)
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        host.append((time.perf_counter() - t0) * 1e3 / calls)
+        end.record()
+        torch.cuda.synchronize()
+        gpu.append(start.elapsed_time(end) / calls)
+    return {"wall": statistics.median(wall), "host": statistics.median(host), "gpu": statistics.median(gpu)}
+
+
+def _variants(row: dict):
+    model, inputs = forms.build(row, "cuda")
+    out = {"eager": (model, model)}
+    m = copy.deepcopy(model)
+    out["inductor"] = (m, torch.compile(m))
+    for rest in ("eager", "inductor"):
+        m = copy.deepcopy(model)
+        out[f"xaccel ({rest} rest)"] = (m, torch.compile(m, backend="xaccel",
+                                                        options={"xaccel.choose": False, "xaccel.fallback": rest}))
+    return out, inputs
+
+
+def _profile(call, top: int) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            call()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", required=True, help="rows whose label contains this text ('a|b': either)")
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args()
+    import torch_xaccel  # noqa: F401 - registers the backend where no entry point is installed
+
+    wanted = args.only.split("|")
+    rows = [r for r in forms.grid() if any(w in forms.label(r) for w in wanted)]
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, commit {os.environ.get('XACCEL_COMMIT', '?')}")
+    for row in rows:
+        row = {**row, "device": "cuda"}
+        print(f"\n## {forms.label(row)}\n\n| variant | wall ms | host ms | GPU ms | host / GPU |\n"
+              "| --- | ---: | ---: | ---: | ---: |")
+        variants, inputs = _variants(row)
+        calls = {}
+        for name, (module, fn) in variants.items():
+            call = calls[name] = _make_call(row, module, fn, inputs)
+            try:
+                for _ in range(3):
+                    call()
+                t = _times(call, args.calls)
+                print(f"| {name} | {t['wall']:.3f} | {t['host']:.3f} | {t['gpu']:.3f} | {t['host'] / t['gpu']:.2f} |",
+                      flush=True)
+            except Exception as e:  # noqa: BLE001 - a variant that fails is a finding
+                print(f"| {name} | failed: {type(e).__name__}: {str(e)[:120]} | | | |", flush=True)
+        print(f"\nxaccel (eager rest), CPU time by op:\n```\n{_profile(calls['xaccel (eager rest)'], args.top)}\n```")
+        variants = calls = None
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
