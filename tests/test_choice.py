@@ -442,8 +442,12 @@ def test_regions_measured_for_real_on_captured_values(choosing, monkeypatch):
     assert len(lines) == 3, lines
     for line in lines:  # every side built and timed, under both rests (Inductor's stand-in: eager)
         assert "failed" not in line, line
-        for side in ("replaced (eager)", "written (eager)", "replaced (inductor)", "written (inductor)"):
+        for side in ("replaced (eager)", "written (eager)", "replaced (inductor)"):
             assert re.search(re.escape(side) + r" \d+\.\d+ ms", line), (side, line)
+        # the original under Inductor: timed, or not built where the replacement lost to it run eagerly
+        assert (re.search(r"written \(inductor\) \d+\.\d+ ms", line)
+                or "written (inductor) (not built: the replacement is slower than the original run eagerly)" in line
+                and "put back beside the inductor rest" in line), line
 
 
 def test_a_region_is_measured_as_the_eager_rest_runs_it(choosing, monkeypatch):
@@ -485,6 +489,52 @@ def test_a_region_is_measured_as_the_eager_rest_runs_it(choosing, monkeypatch):
     _check_against_eager(torch.compile(model, backend="xaccel"), model, x)
     assert last_report().graphs[0].chosen == choice.INDUCTOR
     assert any(direct) and not any(through_the_op)
+
+
+def _region_times(monkeypatch, choosing, ms: dict) -> list:
+    """The real region measurement with fixed times per run name; returns the (side, rest) pairs
+    built."""
+    monkeypatch.undo()  # the real _measure_region, with the Inductor stand-in
+    _stand_in_for_inductor(monkeypatch)
+    monkeypatch.setenv("XACCEL_CHOOSE", "1")
+    monkeypatch.setenv("XACCEL_CACHE_DIR", str(choosing))
+    _fixed_times(monkeypatch, {n: 1.0 for n in NAMES})
+    built, real_compile = [], choice.compile_region
+
+    def compile_region(gm, inputs, rest, replaced):
+        built.append(("replaced" if replaced else "written", rest))
+        return real_compile(gm, inputs, rest, replaced)
+    monkeypatch.setattr(choice, "compile_region", compile_region)
+    monkeypatch.setattr(choice, "measure_runs", lambda runs, device, reference=None: choice.Measurement(
+        ms={n: ms[n] for n in runs}))
+    return built
+
+
+@pytest.mark.parametrize("inductor_ms, kept", [(0.4, False), (0.6, True)])
+def test_a_replacement_faster_than_the_original_eagerly_meets_it_under_inductor(choosing, monkeypatch,
+                                                                               inductor_ms, kept):
+    built = _region_times(monkeypatch, choosing, {"replaced (eager)": 0.5, "written (eager)": 1.0,
+                                                  "replaced (inductor)": 0.5, "written (inductor)": inductor_ms})
+    model, x = Block(), torch.randn(16, 32)
+    _check_against_eager(torch.compile(model, backend="xaccel"), model, x)
+    assert ("written", "inductor") in built
+    for line in last_report().graphs[0].region_choices:
+        assert "kept beside the eager rest" in line
+        assert f"{'kept' if kept else 'put back'} beside the inductor rest" in line, line
+
+
+def test_a_replacement_slower_than_the_original_eagerly_goes_back_without_an_inductor_build(choosing, monkeypatch):
+    """Inductor's build of the original could only widen the gap: the region goes back beside the
+    Inductor rest unbuilt (its build is most of what measuring a region costs)."""
+    built = _region_times(monkeypatch, choosing, {"replaced (eager)": 2.0, "written (eager)": 1.0,
+                                                  "replaced (inductor)": 1.5})
+    model, x = Block(), torch.randn(16, 32)
+    _check_against_eager(torch.compile(model, backend="xaccel"), model, x)
+    assert ("written", "inductor") not in built and ("replaced", "inductor") in built
+    lines = last_report().graphs[0].region_choices
+    assert lines and all("put back beside the eager rest, put back beside the inductor rest" in line
+                         and "written (inductor) (not built: the replacement is slower than the original run eagerly)"
+                         in line for line in lines), lines
 
 
 def test_regions_are_not_measured_where_the_graph_writes_its_inputs(choosing, monkeypatch):
