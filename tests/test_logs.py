@@ -5,6 +5,7 @@ import ast
 import importlib.util
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -66,6 +67,7 @@ def test_torch_logs_plus_xaccel_shows_debug(tmp_path):
     assert "torch_xaccel report: 1 graph(s)" in err
     assert "compiling a graph of 6 nodes with disable=False, patterns=every pattern, fallback='auto'" in err
     assert "choose=False [XACCEL_CHOOSE]" in err  # where each setting not at its default came from
+    assert re.search(r"graph \d+: trace took \d+\.\d\d s", err)  # each phase of a first call as it ends
 
 
 def test_set_logs_from_python_and_silence_by_default(tmp_path):

@@ -37,6 +37,8 @@ from typing import Callable
 import torch
 import torch.utils._pytree as pytree
 
+from . import logs
+
 XACCEL_EAGER, XACCEL_INDUCTOR, INDUCTOR, EAGER = "xaccel (eager rest)", "xaccel (inductor rest)", "inductor", "eager"
 ANCHORS = (INDUCTOR, EAGER)
 ROUNDS_MIN, ROUNDS_MAX = 5, 60  # timed rounds per candidate
@@ -579,6 +581,7 @@ def choose_regions(diff, example_inputs, training: bool, rests: list, device: to
                          for r, v in entry["config"].items())
         times = ", ".join(f"{n} {ms:.3f} ms" if ms is not None else f"{n} ({why})" for n, ms, why in entry["timings"])
         lines.append(f"{where}: {said} [{entry.get('mode', 'stored')}: {times}]")
+        logs.log.debug("region %s", lines[-1])  # as each is decided (the report comes after the compile)
     return revert, lines
 
 
