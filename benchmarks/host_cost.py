@@ -5,9 +5,9 @@ under Inductor, and under xaccel with every replacement kept (XACCEL_CHOOSE=0) b
 the Inductor rest, each timed three ways after warm-up:
 - wall: a plain call's time (calls back to back, the GPU synchronized after the batch);
 - host: the CPU time of one call while the GPU is held busy by a queued sleep, so no call waits
-  on the GPU: what the host spends to launch it (over HOST_CALLS calls only: CUDA's launch queue
-  holds about a thousand kernels, and a full queue blocks the host, which then counts GPU time);
-- GPU: CUDA-event time of the batch queued behind that sleep: the kernels' own time.
+  on the GPU (codegen/tuning.host_ms, over HOST_CALLS calls only: CUDA's launch queue holds
+  about a thousand kernels, and a full queue blocks the host, which then counts GPU time);
+- GPU: CUDA-event time of calls queued behind a sleep, the kernels' own time (tuning.gpu_ms).
 A variant whose host time reaches its GPU time is host-bound. Then xaccel's call beside the
 eager rest under the torch profiler: the ops with the most CPU time of their own. Run on the GPU
 machine:
@@ -24,20 +24,16 @@ import time
 
 import torch
 
+from torch_xaccel.codegen import tuning
 from torch_xaccel.sweep import forms
 from torch_xaccel.sweep.run import _make_call
-
-
-def _sleep_ms(ms: float) -> None:
-    torch.cuda._sleep(int(ms * 1.4e6))  # about 1.4 cycles per ns on an H100/H200
-
 
 HOST_CALLS = 2
 
 
 def _times(call, calls: int) -> dict:
-    """wall, host and GPU ms per call (medians of 5 batches)."""
-    wall, host, gpu = [], [], []
+    """wall ms per call (median of 5 batches); host and GPU ms per call as the tuner times them."""
+    wall = []
     for _ in range(5):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -45,21 +41,8 @@ def _times(call, calls: int) -> dict:
             call()
         torch.cuda.synchronize()
         wall.append((time.perf_counter() - t0) * 1e3 / calls)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        _sleep_ms(wall[-1] * calls * 1.5 + 20)
-        start.record()
-        for _ in range(calls):
-            call()
-        end.record()
-        torch.cuda.synchronize()
-        gpu.append(start.elapsed_time(end) / calls)
-        _sleep_ms(wall[-1] * HOST_CALLS * 1.5 + 20)
-        t0 = time.perf_counter()
-        for _ in range(HOST_CALLS):
-            call()
-        host.append((time.perf_counter() - t0) * 1e3 / HOST_CALLS)
-        torch.cuda.synchronize()
-    return {"wall": statistics.median(wall), "host": statistics.median(host), "gpu": statistics.median(gpu)}
+    return {"wall": statistics.median(wall), "host": tuning.host_ms(call, calls=HOST_CALLS),
+            "gpu": tuning.gpu_ms(call, calls=calls)}
 
 
 def _variants(row: dict):

@@ -277,7 +277,7 @@ def test_options_reach_the_compile():
 
 
 def test_xaccel_and_inductor_options_together(monkeypatch):
-    """The xaccel.* keys are taken out; the rest reach Inductor's compile_fx as they did."""
+    """The xaccel.* keys are taken out; the rest reach Inductor's compile_fx unchanged."""
     seen = inductor_patches(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)

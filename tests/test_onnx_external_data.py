@@ -94,9 +94,8 @@ def test_a_model_just_over_2_gib_exports_and_runs_in_onnxruntime(tmp_path):
     """The real limit: a table of 2 GiB + 1 MiB (fp32) and an MLP. The weights go to
     big.onnx.data; onnxruntime loads big.onnx from its path and equals PyTorch on fresh random
     ids at other sizes. Traced without Dynamo (strict=False): Dynamo's export keeps a copy of
-    every weight it meets (torch's real-value cache), 3x the weights' memory at its peak; the
-    file does not depend on the tracer. About 20 s and 2.6 GB of memory on a 2-core CPU; the files
-    are removed at the end (pytest keeps its last temporary folders)."""
+    every weight it meets (torch's real-value cache); the file does not depend on the tracer. The
+    files are removed at the end (pytest keeps its last temporary folders)."""
     import onnx
 
     dim = 64

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.helpers import onnxruntime_outputs, rel_err
+from torch_xaccel import families
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
@@ -43,6 +44,9 @@ def test_the_table_has_every_op_with_a_body():
     table = xonnx.translation_table()
     assert list(table) == functions.translatable_ops()
     assert all(callable(fn) for fn in table.values())
+    # every op a family gives an ONNX body (families.py), each under its own translation
+    assert set(table) == {getattr(torch.ops.xaccel, name).default for f in families.FAMILIES for name in f.onnx}
+    assert all(fn.__name__ == f"xaccel_{op._schema.name.split('::')[1]}_translation" for op, fn in table.items())
 
 
 # raised by the caller's own torch.onnx.export, outside any translation: torch's to filter, not ours

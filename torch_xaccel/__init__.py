@@ -34,7 +34,7 @@ def _map_top_level_folders_in_a_checkout() -> None:
                 return None
             if len(parts) > 2:  # a module inside: found along its package's path (this checkout's)
                 return importlib.machinery.PathFinder.find_spec(fullname, path)
-            folder = os.path.join(root, parts[1])
+            folder = os.path.join(self.root, parts[1])
             return importlib.util.spec_from_file_location(fullname, os.path.join(folder, "__init__.py"),
                                                           submodule_search_locations=[folder])
 

@@ -356,13 +356,17 @@ def active_overrides() -> dict[str, Any]:
 def calling_with(fn: Callable, overrides: Mapping[str, Any]) -> Callable:
     """fn, run with `overrides` applied when they hold settings read at call time (kernel builds
     and tuning); fn itself otherwise (no wrapper: nothing to apply)."""
-    kept = {k: v for k, v in overrides.items() if k in KERNEL_SETTINGS}
+    kept = _frozen({k: v for k, v in overrides.items() if k in KERNEL_SETTINGS})
     if not kept:
         return fn
 
-    def run(*args):
-        with applying(kept):
+    def run(*args):  # (applying's work, without a context manager or a sort on every call)
+        prior = getattr(_LOCAL, "overrides", None)
+        _LOCAL.overrides = kept
+        try:
             return fn(*args)
+        finally:
+            _LOCAL.overrides = prior
     run._boxed_call = getattr(fn, "_boxed_call", False)  # (a boxed function stays boxed)
     return run
 

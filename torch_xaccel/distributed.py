@@ -62,10 +62,9 @@ def prefer_whole_graphs() -> bool:
     """`keep_graphs_whole()` where `optimize_ddp` is still torch's default (the boolean True),
     leaving any value a user chose (False, or a mode named by its string, "ddp_optimizer"
     included: the way to keep the DDP optimizer with xaccel). Returns whether it changed."""
-    config = _dynamo_config()
-    if config.optimize_ddp is not True:
+    if _dynamo_config().optimize_ddp is not True:
         return False
-    config.optimize_ddp = False
+    keep_graphs_whole()
     log.debug("torch._dynamo.config.optimize_ddp: True -> False (xaccel matches whole graphs under DDP; "
               "set it to \"ddp_optimizer\" to keep the DDP optimizer's bucket splits)")
     return True

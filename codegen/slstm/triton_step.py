@@ -14,7 +14,7 @@ from torch_xaccel import runtime
 from torch_xaccel.runtime import interpreting
 
 from .. import cache, precision as fp32_dots, tuning
-from ..limits import INT32_LIMIT, SHARED_LIMIT, reach
+from ..limits import INT32_LIMIT, SHARED_LIMIT, next_power_of_2, reach
 from ..render import Templates
 from ..triton_launch import LaunchCache
 
@@ -64,12 +64,8 @@ def dot_dtype(Wx: torch.Tensor, R: torch.Tensor) -> torch.dtype:
     return Wx.dtype if R.dtype == Wx.dtype else torch.float32
 
 
-def _pow2(x: int) -> int:
-    return 1 << max(x - 1, 0).bit_length()
-
-
 def _chunk(D: int) -> int:
-    return min(64, max(16, _pow2(D)))
+    return min(64, max(16, next_power_of_2(D)))
 
 
 def candidates(B: int, D: int, size: int = 2) -> list[dict]:
@@ -77,9 +73,9 @@ def candidates(B: int, D: int, size: int = 2) -> list[dict]:
     tiles of 16 rows (the most programs over the same R tiles) up to all rows in one tile (R read
     fewer times), 16 or 32 units per program, K chunks of 64 (or 128 where D is a multiple of
     it), 2 or 4 warps; those whose pipelined R and h tiles fit shared memory."""
-    tiles = [bb for bb in (16, 32, 64) if bb == 16 or bb <= _pow2(B)]
+    tiles = [bb for bb in (16, 32, 64) if bb == 16 or bb <= next_power_of_2(B)]
     chunks = [64, 128] if D % 128 == 0 else [_chunk(D)]
-    units = [bj for bj in (16, 32) if bj == 16 or bj <= _pow2(D)]
+    units = [bj for bj in (16, 32) if bj == 16 or bj <= next_power_of_2(D)]
     return [{"BB": bb, "BJ": bj, "BK": bk, "warps": w, "stages": 3}
             for bb in tiles for bj in units for bk in chunks for w in (2, 4)
             if not (w == 2 and bb * bj > 512) and 3 * (4 * bj + bb) * bk * size <= SHARED_LIMIT]
@@ -153,7 +149,7 @@ def _config(key, Wx, R, run) -> dict:
         cfg = INTERPRETER_CONFIG
     else:
         cands, untimed = candidates(B, D, dots.itemsize), default(B, D)
-        parts = f"step|{Wx.dtype}|R{R.dtype}{precision}|NH{NH}|D{D}|B~{_pow2(B)}"
+        parts = f"step|{Wx.dtype}|R{R.dtype}{precision}|NH{NH}|D{D}|B~{next_power_of_2(B)}"
         tkey = tuning.key("slstm", parts, Wx.device, TEMPLATES.digest)
 
         def tune():

@@ -217,7 +217,7 @@ def ddp_scenarios(rank: int, world: int, out_dir: str) -> dict:
         m = model()
         out["split"] = train_step(torch.compile(_ddp(m), backend=noting), m, x)
         out["split"]["notes"] = notes
-        _fresh()  # the same through backend="xaccel": what its report says (once backend.py calls split_note)
+        _fresh()  # the same through backend="xaccel": what its report says
         m = model()
         out["split_xaccel"] = train_step(torch.compile(_ddp(m), backend="xaccel"), m, x)
     finally:

@@ -59,10 +59,11 @@ class ExportResult:
 
         path = os.fspath(path)
         model = self.program.model
-        over = serialized_size(model) > EXTERNAL_DATA_THRESHOLD
+        size = serialized_size(model)
+        over = size > EXTERNAL_DATA_THRESHOLD
         if external_data is False and over:
             raise ValueError(f"torch_xaccel.onnx: the model is over protobuf's 2 GB limit "
-                             f"({serialized_size(model) / 2**30:.2f} GiB): save it with external_data=True (or None)")
+                             f"({size / 2**30:.2f} GiB): save it with external_data=True (or None)")
         data = os.path.basename(path) + ".data" if external_data or (external_data is None and over) else None
         ir.save(model, path, external_data=data)
         self.path, self.data_path = path, os.path.join(os.path.dirname(path), data) if data else None
@@ -335,8 +336,8 @@ def export(model, args, f=None, *, kwargs=None, dynamic_shapes=None, opset_versi
     would pass protobuf's 2 GB limit). strict: True traces with Dynamo (torch.export's strict
     mode), which applies torch.compile's library substitutions (xlstm's and FlashRNN's sLSTM
     loops, the mLSTM library calls); False traces without it; None (default): Dynamo, and
-    non-strict where Dynamo fails. (Dynamo's export keeps a copy of every weight it meets, about
-    3x the weights' memory at its peak: for a model whose weights fill memory, strict=False.)
+    non-strict where Dynamo fails. (Dynamo's export keeps a copy of every weight it meets: for a
+    model whose weights fill memory, strict=False.)
     Returns an ExportResult (the ONNXProgram, the path, the report, the xaccel node counts; its
     `model` the ModelProto, its save(path, external_data=None) writes it again)."""
 

@@ -365,7 +365,7 @@ def run_row(row: dict, write) -> dict:
         res["choice"] = [str(getattr(g, "choice", "") or "") for g in rep.graphs]
         res["chosen"] = [str(getattr(g, "chosen", "") or "") for g in rep.graphs]
         res["region_choices"] = [line for g in rep.graphs for line in getattr(g, "region_choices", [])]
-        res["first_call_phases"] = [g.compile_line() for g in rep.graphs if hasattr(g, "compile_line")]
+        res["first_call_phases"] = [g.compile_line() for g in rep.graphs]
         graphs_after = len(rep.graphs)
         if graphs_after != res.get("graphs"):
             res["recompiled"] = f"xaccel graphs {res.get('graphs')} after the first call, {graphs_after} after timing"
