@@ -1,16 +1,17 @@
 """Is a compiled sweep row bound by the host or by the GPU, and which ops hold the host?
 
 For each sweep row given (labels as `bench sweep --list` prints them), the model uncompiled,
-under Inductor, and under xaccel with every replacement kept (XACCEL_CHOOSE=0) beside the eager and
-the Inductor rest, each timed three ways after warm-up:
+under Inductor, under xaccel as it chooses, and under xaccel with every replacement kept
+(XACCEL_CHOOSE=0) beside the eager and the Inductor rest, each timed three ways after warm-up:
 - wall: a plain call's time (calls back to back, the GPU synchronized after the batch);
 - host: the CPU time of one call while the GPU is held busy by a queued sleep, so no call waits
   on the GPU (codegen/tuning.host_ms, over HOST_CALLS calls only: CUDA's launch queue holds
   about a thousand kernels, and a full queue blocks the host, which then counts GPU time);
 - GPU: CUDA-event time of calls queued behind a sleep, the kernels' own time (tuning.gpu_ms).
-A variant whose host time reaches its GPU time is host-bound. Then xaccel's call beside the
-eager rest under the torch profiler: the ops with the most CPU time of their own. Run on the GPU
-machine:
+A variant whose host time reaches its GPU time is host-bound. Then, for each xaccel variant, the
+host time of each xaccel op's dispatch (key, kernel provider and launches: runtime.dispatch timed
+around, the GPU kept busy) against the call's whole host time, and xaccel's call beside the eager
+rest under the torch profiler: the ops with the most CPU time of their own. Run on the GPU machine:
 
     python benchmarks/host_cost.py --only "mlstm_paper d1024 NH4 (DH256) S2048 B8 bf16 fwd" [--calls 20]
 """
@@ -50,11 +51,56 @@ def _variants(row: dict):
     out = {"eager": (model, model)}
     m = copy.deepcopy(model)
     out["inductor"] = (m, torch.compile(m))
+    m = copy.deepcopy(model)
+    out["xaccel (default)"] = (m, torch.compile(m, backend="xaccel"))
     for rest in ("eager", "inductor"):
         m = copy.deepcopy(model)
         out[f"xaccel ({rest} rest)"] = (m, torch.compile(m, backend="xaccel",
                                                         options={"xaccel.choose": False, "xaccel.fallback": rest}))
     return out, inputs
+
+
+def _host_by_op(call, calls: int) -> tuple[float, dict]:
+    """(host ms per call, {op: (dispatches per call, host us per dispatch)}) with the GPU held busy
+    by a queued sleep, so no launch waits on the device. runtime.dispatch is wrapped for the
+    measurement: what it times is the op's whole kernel path (case key, provider, launches), not
+    the dispatcher's or a compiled graph's way to it."""
+    from torch_xaccel import runtime
+
+    spent: dict = {}
+    plain = runtime.dispatch
+
+    def timed(op, *args):
+        t0 = time.perf_counter()
+        try:
+            return plain(op, *args)
+        finally:
+            n, s = spent.get(op, (0, 0.0))
+            spent[op] = (n + 1, s + time.perf_counter() - t0)
+    call()
+    runtime.dispatch = timed
+    try:
+        call()
+        torch.cuda.synchronize()
+        spent.clear()
+        torch.cuda._sleep(20_000_000)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        host = (time.perf_counter() - t0) * 1e3 / calls
+        torch.cuda.synchronize()
+    finally:
+        runtime.dispatch = plain
+    return host, {op: (n / calls, s * 1e6 / n) for op, (n, s) in spent.items()}
+
+
+def _by_op_table(name: str, host: float, by_op: dict) -> str:
+    rows = [f"\n{name}: host {host:.3f} ms per call, of which xaccel ops' dispatch "
+            f"{sum(n * us for n, us in by_op.values()) / 1e3:.3f} ms\n",
+            "| op | calls per call | host us per dispatch |", "| --- | ---: | ---: |"]
+    by_total = sorted(by_op.items(), key=lambda kv: -kv[1][0] * kv[1][1])
+    rows += [f"| {op} | {n:g} | {us:.0f} |" for op, (n, us) in by_total]
+    return "\n".join(rows)
 
 
 def _profile(call, top: int) -> str:
@@ -97,6 +143,12 @@ def main() -> int:
                       flush=True)
             except Exception as e:  # noqa: BLE001 - a variant that fails is a finding
                 print(f"| {name} | failed: {type(e).__name__}: {str(e)[:120]} | | | |", flush=True)
+        for name, call in calls.items():
+            if name.startswith("xaccel"):
+                try:
+                    print(_by_op_table(name, *_host_by_op(call, HOST_CALLS)), flush=True)
+                except Exception as e:  # noqa: BLE001 - a variant that fails is a finding
+                    print(f"{name}: by op failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
         print(f"\nxaccel (eager rest), CPU time by op:\n```\n{_profile(calls['xaccel (eager rest)'], args.top)}\n```")
         variants = calls = None
         torch.cuda.empty_cache()

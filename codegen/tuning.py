@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from torch_xaccel import config, runtime
+from torch_xaccel import config, logs, runtime
 from torch_xaccel.runtime import interpreting
 
 from . import cache
@@ -83,8 +83,11 @@ def decide(key: str, *, untimed, valid, tune, usable=None, memo: dict | None = N
         with cache.locked(cache.key_name(key)):
             entry = cache.read_entry("tuning", key)  # another process may have finished meanwhile
             if not valid(entry):
+                t0 = time.perf_counter()
                 entry = tune()
                 cache.write_entry("tuning", key, entry)
+                # (TORCH_LOGS=+xaccel: which tunings a first call spends its time on)
+                logs.log.debug("tuned %s in %.2f s", key.split("|tpl")[0], time.perf_counter() - t0)
     decision = Decision(entry["config"], entry, live=True)
     if memo is not None:
         memo[key] = decision

@@ -481,10 +481,12 @@ def _measure_region(sides, values: dict, rests: list, training: bool, device: to
         try:
             # each side in a compile context of its own, its first call included: that is where
             # aot_autograd compiles its backward (one backward per metrics context)
+            t0 = time.perf_counter()
             with apart_from_dynamo():
                 run = runner(compile_region(gm, inputs, rest, side == "replaced"), inputs, training, compared[side])
                 run()
             runs[f"{side} ({rest})"] = run
+            logs.log.debug("region side %s (%s) built and first run in %.2f s", side, rest, time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001 - a side that does not build: the other side decides
             if _restart(e):
                 raise

@@ -479,7 +479,7 @@ def _plan_key(key, a, bs, operands) -> tuple:
 def _make_plan(case: "_Case", cfg: tuple, a, bs, operands) -> "_Plan | None":
     """A plan for this decided case, or None where one would not reproduce _Case's launch."""
     if cfg[0] in cutlass.VARIANTS or any(x is not y for x, y in zip(case.bs, bs)):
-        return None  # CUTLASS (large GEMMs: no host-bound calls), or B needed a contiguous copy
+        return None  # CUTLASS (launched through its library), or B needed a contiguous copy
     try:  # every input must be a view of the caller's tensor, as _Case's reshapes made it
         a.view(case.M, case.K)
         for t, t2 in zip(operands, case.ops):
@@ -494,7 +494,7 @@ def _steady_call(cfg: tuple, a, bs, operands, epilogue, b_transposed):
     """A call of a decided config as the provider then makes it: through a kept plan where one
     applies (launched directly from its second call), else prepared per call through _Case."""
     case = _Case(a, bs, operands, epilogue, b_transposed)
-    plan = _make_plan(case, cfg, a, bs, operands) if case.M <= SMALL_M_ROWS else None
+    plan = _make_plan(case, cfg, a, bs, operands)
     if plan is not None:
         return lambda: plan(a, bs, operands)
 
@@ -546,7 +546,7 @@ def provider(key, a, bs, operands, epilogue, b_transposed):
         _DECISIONS.pop(key, None)  # its CUTLASS kernels are built: time the case again, with them
     cfg = _DECISIONS.get(key, "unset")
     if cfg is None:  # tuning timed ATen faster here
-        if key not in _PENDING and a.numel() // a.shape[-1] <= SMALL_M_ROWS:
+        if key not in _PENDING:
             _keep_plan(key, a, bs, operands, _AtenPlan(epilogue, b_transposed))
         return aten_composition(a, bs, operands, epilogue, b_transposed)
     if cfg == "unset" and a.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -567,7 +567,7 @@ def provider(key, a, bs, operands, epilogue, b_transposed):
         return aten_composition(a, bs, operands, epilogue, b_transposed)
     outs = case.new_outputs()
     case.launch(cfg, outs)
-    if key not in _PENDING and case.M <= SMALL_M_ROWS:  # host-bound calls only
+    if key not in _PENDING:  # (a call of a large GEMM may be host-bound too: a model full of them can be)
         plan = _make_plan(case, cfg, a, bs, operands)
         if plan is not None:
             _keep_plan(key, a, bs, operands, plan)

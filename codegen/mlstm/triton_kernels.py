@@ -75,11 +75,16 @@ _WARMUP = contextvars.ContextVar("xaccel_mlstm_warmup", default=False)
 _LAUNCHES = LaunchCache()
 
 
-def _launch(kernel, grid, *args, **meta):
-    """kernel[grid](*args, **meta) (from a case's second call, its compiled kernel directly), or
-    only its compile while tuning precompiles candidates."""
+def _launch(kernel, grid, *args, slot=None, **meta):
+    """kernel[grid](*args, **meta), or only its compile while tuning precompiles candidates.
+    slot: (LaunchCache, key, the tensors among args) of a kept plan's launch (_Launches), which
+    fixes every other argument: from its second call, its compiled kernel directly; without one,
+    the same from a key made of the call (LaunchCache.launch_any)."""
     if _WARMUP.get():
         kernel.run(*args, grid=grid, warmup=True, **meta)
+    elif slot is not None:
+        cache, key, tensors = slot
+        cache.launch(key, kernel, grid, args, meta, tensors)
     else:
         _LAUNCHES.launch_any(kernel, grid, args, meta)
 
@@ -235,38 +240,135 @@ def _rows(*ts: torch.Tensor) -> list[int]:
     return [ts[0].shape[1]] + [st for t in ts for st in t.stride()[:3]]
 
 
-def chunk_states(k, v, i, f, C0, n0, m0, cfg):
-    """Run the sequential scan: (Cs, ns, ms) the state entering each chunk ([B*H*NC*DK*DV] in the
-    input dtype, [.. DK] and [..] fp32) and the final state (C, n, m) in fp32: mlstm_chunk_gates
-    prepares every chunk's gate terms in parallel, then mlstm_chunk_states walks the chunks with
-    one matmul per step. States at the kernels' head dims (_head: C0 and n0 padded to them)."""
-    B, H, S = k.shape[:3]
-    dims = _head(k, v)
-    DK, DV, scale = dims["DK"], dims["DV"], dims["DKR"] ** -0.5
-    L, BK, BVS, stages = cfg["L"], cfg["BK"], cfg["BVS"], cfg["stages"]
-    NC = -(-S // L)
-    dev, f32 = k.device, torch.float32
-    if B * H * NC * DK * DV >= INT32_LIMIT:  # the kernels' offsets are int32: this config cannot run here
-        raise ValueError(f"mLSTM chunk states at chunk {L} would hold {B * H * NC * DK * DV} elements (>= 2^31)")
-    Cs = _state_buffer(B * H * NC * DK * DV, k.dtype, dev)
-    ns = _state_buffer(B * H * NC * DK, f32, dev)
-    ms = torch.empty(B * H * NC, dtype=f32, device=dev)
-    C = _state_buffer((B, H, DK, DV), f32, dev)
-    n = _state_buffer((B, H, DK), f32, dev)
-    m = torch.empty(B, H, dtype=f32, device=dev)
-    has_state = C0 is not None
-    if has_state:
-        C0, n0, m0 = (t.float().contiguous() for t in (C0, n0, m0))
-    else:
-        C0, n0, m0 = C, n, m  # unused by the kernel
-    # each chunk's gate terms, in parallel, off the sequential scan
-    gates = [torch.empty(B * H * NC * L, dtype=f32, device=dev), torch.empty(B * H * NC * 2, dtype=f32, device=dev)]
-    _launch(_kernel("mlstm_chunk_gates.py.jinja", k.dtype), (B * H, NC), i, f, *gates, *_rows(i, f), S, NC, L=L)
-    _launch(_kernel("mlstm_chunk_states.py.jinja", k.dtype, has_state=has_state, loads_first=bool(cfg.get("LF")),
+class _Launches:
+    """A plan's kernel launches, each with its grid, constexprs and trailing scalars fixed when the
+    plan is made: a call passes only the tensors, which come first in every mLSTM kernel's
+    arguments. A kept plan (the provider's, one per case) launches each compiled kernel directly
+    from its second call (a LaunchCache keyed by the launch's place in the plan)."""
+
+    __slots__ = ("specs", "direct")
+
+    def __init__(self, kept: bool):
+        self.specs, self.direct = [], LaunchCache() if kept else None
+
+    def add(self, kernel, grid: tuple, tail: tuple, meta: dict) -> int:
+        self.specs.append((kernel, grid, tuple(tail), meta))
+        return len(self.specs) - 1
+
+    def __call__(self, n: int, tensors: tuple) -> None:
+        kernel, grid, tail, meta = self.specs[n]
+        _launch(kernel, grid, *tensors, *tail, slot=(self.direct, n, tensors) if self.direct else None, **meta)
+
+
+class _ScanPlan:
+    """The sequential scan of one config and case (k, v, i, f's shapes and strides, a start state or
+    none): mlstm_chunk_gates prepares every chunk's gate terms in parallel, then
+    mlstm_chunk_states walks the chunks with one matmul per step. States at the kernels' head dims
+    (_head: C0 and n0 padded to them)."""
+
+    def __init__(self, cfg: dict, k, v, i, f, has_state: bool, launches: _Launches):
+        B, H, S = k.shape[:3]
+        dims = _head(k, v)
+        DK, DV, scale = dims["DK"], dims["DV"], dims["DKR"] ** -0.5
+        L, BK, BVS = cfg["L"], cfg["BK"], cfg["BVS"]
+        NC = -(-S // L)
+        if B * H * NC * DK * DV >= INT32_LIMIT:  # the kernels' offsets are int32: this config cannot run here
+            raise ValueError(f"mLSTM chunk states at chunk {L} would hold {B * H * NC * DK * DV} elements (>= 2^31)")
+        self.sizes = (B * H * NC * DK * DV, B * H * NC * DK, B * H * NC, (B, H, DK, DV), (B, H, DK), (B, H),
+                      B * H * NC * L, B * H * NC * 2)
+        self.has_state, self.launches = has_state, launches
+        self.gates = launches.add(_kernel("mlstm_chunk_gates.py.jinja", k.dtype), (B * H, NC),
+                                  (*_rows(i, f), S, NC), dict(L=L))
+        self.scan = launches.add(
+            _kernel("mlstm_chunk_states.py.jinja", k.dtype, has_state=has_state, loads_first=bool(cfg.get("LF")),
                     **_masks(dims)),
-        _state_grid(B * H, dims, BK, BVS), k, v, C0, n0, m0, Cs, ns, ms, C, n, m, *gates, *_rows(k, v),
-        S, NC, scale, **dims, BK=BK, BV=BVS, L=L, num_warps=configs.scan_warps(cfg), num_stages=stages)
-    return (Cs, ns, ms), (C, n, m)
+            _state_grid(B * H, dims, BK, BVS), (*_rows(k, v), S, NC, scale),
+            dict(**dims, BK=BK, BV=BVS, L=L, num_warps=configs.scan_warps(cfg), num_stages=cfg["stages"]))
+
+    def __call__(self, k, v, i, f, C0, n0, m0):
+        """(Cs, ns, ms) the state entering each chunk ([B*H*NC*DK*DV] in the input dtype, [.. DK]
+        and [..] fp32) and the final state (C, n, m) in fp32."""
+        dev, f32 = k.device, torch.float32
+        cs, ns_, ms_, c, n_, m_, g, g2 = self.sizes
+        Cs, ns = _state_buffer(cs, k.dtype, dev), _state_buffer(ns_, f32, dev)
+        ms = torch.empty(ms_, dtype=f32, device=dev)
+        C, n = _state_buffer(c, f32, dev), _state_buffer(n_, f32, dev)
+        m = torch.empty(m_, dtype=f32, device=dev)
+        if self.has_state:
+            C0, n0, m0 = C0.float().contiguous(), n0.float().contiguous(), m0.float().contiguous()
+        else:
+            C0, n0, m0 = C, n, m  # unused by the kernel
+        # each chunk's gate terms, in parallel, off the sequential scan
+        gates = (torch.empty(g, dtype=f32, device=dev), torch.empty(g2, dtype=f32, device=dev))
+        self.launches(self.gates, (i, f, *gates))
+        self.launches(self.scan, (k, v, C0, n0, m0, Cs, ns, ms, C, n, m, *gates))
+        return (Cs, ns, ms), (C, n, m)
+
+
+def chunk_states(k, v, i, f, C0, n0, m0, cfg):
+    """The sequential scan of one call (_ScanPlan): ((Cs, ns, ms), (C, n, m))."""
+    return _ScanPlan(cfg, k, v, i, f, C0 is not None, _Launches(kept=False))(k, v, i, f, C0, n0, m0)
+
+
+class _ForwardPlan:
+    """One forward config's work for one case: the inputs' shapes and strides, a start state or
+    none, eps, h's layout, saving or not. Everything that follows from those (which inputs need a
+    contiguous copy, the kernels, grids, strides and constexprs) is worked out once, so a call only
+    makes those copies, allocates its outputs and launches three kernels. The provider keeps one
+    per case (forward): a compiled model calls the op once per layer per step, and without a plan
+    each call paid the checks, the tuning key and the launch keys again. Tuning runs each
+    candidate through a plan made for the call.
+
+    pad: the head dims' padding (_padding) applied to C0 and n0 per call, or None where the caller
+    hands them over padded. save: also return the state entering each chunk and each row's
+    (den_t, m_t) [B*H, 2, S] fp32 (kept_shapes' views)."""
+
+    def __init__(self, cfg: dict, q, k, v, i, f, has_state: bool, eps: float, seq_major_h: bool, save: bool,
+                 chunk_size: int | None, pad, kept: bool):
+        xs = tuple(_strided(t) for t in (q, k, v, i, f))
+        self.copies = tuple(x is not t for x, t in zip(xs, (q, k, v, i, f)))
+        q, k, v, i, f = xs
+        B, H, S = q.shape[:3]
+        dims = _head(q, v)
+        self.DKR, self.DVR, self.padded_head = dims["DKR"], dims["DVR"], dims["DK"] != dims["DKR"] or \
+            dims["DV"] != dims["DVR"]
+        self.launches = _Launches(kept)
+        self.scan = _ScanPlan(cfg, k, v, i, f, has_state, self.launches)
+        self.seq_major_h, self.save, self.pad = seq_major_h, save, pad
+        self.rows_size = B * H * 2 * S if save else 0
+        self.kept_shapes = [shape for shape, _ in kept_shapes(q, v, chunk_size)] if save else None
+        h_meta = h_like(torch.empty(q.shape, dtype=q.dtype, device="meta"), torch.empty(v.shape, device="meta"),
+                        seq_major_h)
+        L = cfg["L"]
+        NC = -(-S // L)
+        meta = dict(**dims, BV=cfg["BV"], L=L, num_warps=cfg["warps"], num_stages=cfg["stages"])
+        if cfg.get("BKQ"):  # the sliced output kernel (SLICED)
+            meta["BKQ"] = cfg["BKQ"]
+        self.out = self.launches.add(
+            _kernel("mlstm_fwd.py.jinja", q.dtype, k_loop=bool(cfg.get("BKQ")), save_rows=save, **_masks(dims)),
+            (B * H * NC * _tiles(self.DVR, cfg["BV"]),),  # (flat: the templates' flat_ids)
+            (*_rows(q, k, v, i, f, h_meta), S, NC, self.DKR ** -0.5, eps), meta)
+
+    def __call__(self, q, k, v, i, f, C0, n0, m0):
+        q, k, v, i, f = (t.contiguous() if copy else t for t, copy in zip((q, k, v, i, f), self.copies))
+        if self.pad is not None and C0 is not None:
+            C0, n0 = _pad(C0, *self.pad), _pad(n0, self.pad[0])
+        (Cs, ns, ms), (C, n, m) = self.scan(k, v, i, f, C0, n0, m0)
+        h = h_like(q, v, self.seq_major_h)
+        if self.save:
+            rows = torch.empty(self.rows_size, dtype=torch.float32, device=q.device)
+            self.launches(self.out, (q, k, v, i, f, h, Cs, ns, ms, rows))
+        else:
+            self.launches(self.out, (q, k, v, i, f, h, Cs, ns, ms))
+        if self.padded_head:
+            C, n = C[..., :self.DKR, :self.DVR], n[..., :self.DKR]
+        if self.save:
+            return (h, C, n, m, *(t.view(shape) for t, shape in zip((Cs, ns, ms, rows), self.kept_shapes)))
+        return h, C, n, m
+
+
+_FORWARD_PLANS: dict = {}  # (the case: shapes, strides, dtypes, flags, the dots' precision) -> plan, or None
+MAX_PLANS = 1024  # cases are keyed by exact shapes: a server seeing many batch sizes starts over here
 
 
 def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False, save=False):
@@ -277,21 +379,35 @@ def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False, 
     positions and each row's den_t and m_t, the forward then running at that chunk length (its
     own tuning decision), so that a backward walking the same chunks reads them.
     seq_major_h: h is written in the op's seq-major layout (ops/mlstm/op.h_like)."""
+    plan_key = (q.device, q.dtype, q.shape, v.shape, q.stride(), k.stride(), v.stride(), i.stride(), f.stride(),
+                i.dtype, f.dtype, C0 is None, seq_major_h, eps, chunk_size, save, fp32_dots.dot_precision(q.dtype))
+    plan = _FORWARD_PLANS.get(plan_key, False)
+    if plan is False:
+        plan = _forward_plan(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h, save)
+        if not tuning.capturing():  # (a decision made inside a capture is not kept: a later call tunes)
+            if len(_FORWARD_PLANS) >= MAX_PLANS:
+                _FORWARD_PLANS.clear()
+            _FORWARD_PLANS[plan_key] = plan
+    if plan is None:
+        return NotImplemented
+    return plan(q, k, v, i, f, C0, n0, m0)
+
+
+def _forward_plan(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h, save) -> _ForwardPlan | None:
+    """The tuned forward's plan for this case, or None where the kernels do not take it."""
     S = q.shape[2]
     if not _supported(q, k, v, S, "fwd") or \
             save and not configs.saving_forward_fits(q.shape[-1], v.shape[-1], q.element_size(), chunk_size):
-        return NotImplemented
-    padding = _padding(q.shape[-1], v.shape[-1])
-    if padding:  # (a saving forward's states would not have the op's shapes: the lowering asks for none here)
-        if save:
-            return NotImplemented
-        C0, n0 = _pad(C0, *padding), _pad(n0, padding[0])
-    q, k, v, i, f = (_strided(t) for t in (q, k, v, i, f))
-    if not save:
-        cfg = _tuned("fwd", q, v, lambda c: _forward(c, q, k, v, i, f, C0, n0, m0, eps, seq_major_h))
-        return _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, seq_major_h)
-    run = lambda c: _forward_saving(c, q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h)  # noqa: E731
-    return run(_tuned("fwd", q, v, run, kept=True, chunk=chunk_size))
+        return None
+    pad = _padding(q.shape[-1], v.shape[-1])
+    if pad and save:  # (a saving forward's states would not have the op's shapes: the lowering asks for none here)
+        return None
+
+    def make(cfg, kept=False):
+        return _ForwardPlan(cfg, q, k, v, i, f, C0 is not None, eps, seq_major_h, save, chunk_size, pad, kept)
+    cfg = _tuned("fwd", q, v, lambda c: make(c)(q, k, v, i, f, C0, n0, m0),
+                 kept=save, chunk=chunk_size if save else None)
+    return make(cfg, kept=True)
 
 
 def _padding(DK: int, DV: int) -> tuple[int, int] | None:
@@ -355,13 +471,6 @@ def forward_saving(key, *args):
     return forward(key, *args, save=True)
 
 
-def _forward_saving(cfg, q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h):
-    assert cfg["L"] == chunk_size, (cfg, chunk_size)
-    h, C, n, m, states, rows = _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, seq_major_h, save=True)
-    kept = [t.view(shape) for t, (shape, _) in zip((*states, rows), kept_shapes(q, v, chunk_size))]
-    return (h, C, n, m, *kept)
-
-
 def backward_reads_kept_states(device_type: str, dtype: torch.dtype, DK: int, DV: int, chunk_size: int) -> bool:
     """Whether saving the chunk states in a training graph pays: the kernels run there (CUDA, or
     Triton's interpreter) and every backward config they may pick walks chunks of chunk_size, so
@@ -380,27 +489,13 @@ def backward_reads_kept_states(device_type: str, dtype: torch.dtype, DK: int, DV
     return device_type == "cuda" and bool(cands) and all(c["L"] == chunk_size for c in cands)
 
 
-def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, seq_major_h=False, save=False):
-    """save: also return the chunk states and each row's (den_t, m_t) [B*H, 2, S] fp32."""
-    B, H, S = q.shape[:3]
-    dims = _head(q, v)
-    DKR, DVR = dims["DKR"], dims["DVR"]
-    L = cfg["L"]
-    (Cs, ns, ms), (C, n, m) = chunk_states(k, v, i, f, C0, n0, m0, cfg)
-    h = h_like(q, v, seq_major_h)
-    rows = torch.empty(B * H * 2 * S, dtype=torch.float32, device=q.device) if save else None
-    NC = -(-S // L)
-    args = (q, k, v, i, f, h, Cs, ns, ms, *((rows,) if save else ()), *_rows(q, k, v, i, f, h), S, NC, DKR ** -0.5,
-            eps)
-    meta = dict(**dims, BV=cfg["BV"], L=L, num_warps=cfg["warps"], num_stages=cfg["stages"])
-    if cfg.get("BKQ"):  # the sliced output kernel (SLICED)
-        meta["BKQ"] = cfg["BKQ"]
-    _launch(_kernel("mlstm_fwd.py.jinja", q.dtype, k_loop=bool(cfg.get("BKQ")), save_rows=save, **_masks(dims)),
-            (B * H * NC * _tiles(DVR, cfg["BV"]),), *args, **meta)  # (flat: the templates' flat_ids)
-    C, n = C[..., :DKR, :DVR], n[..., :DKR]  # (views: the whole state where the head is not padded)
+def _forward(cfg, q, k, v, i, f, C0, n0, m0, eps, seq_major_h=False, save=False, chunk_size=None):
+    """One forward call at config `cfg` through a plan made for it (tests; C0 and n0 padded by the
+    caller where the head is)."""
     if save:
-        return h, C, n, m, (Cs, ns, ms), rows
-    return h, C, n, m
+        assert cfg["L"] == chunk_size, (cfg, chunk_size)
+    return _ForwardPlan(cfg, q, k, v, i, f, C0 is not None, eps, seq_major_h, save, chunk_size, None,
+                        kept=False)(q, k, v, i, f, C0, n0, m0)
 
 
 def step(key, q, k, v, i, f, C, n, m, eps, scale_q=False):

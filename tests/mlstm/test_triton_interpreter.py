@@ -289,6 +289,38 @@ def test_backward_candidate_rules():
                    for c in mlstm_configs.backward_candidates(DK, DV, 2, kept))
 
 
+PLAN_SCRIPT = textwrap.dedent("""
+    import os, torch
+    os.environ["TRITON_INTERPRET"] = "1"
+    from torch_xaccel.ops import mlstm
+    from torch_xaccel.codegen.mlstm import triton_kernels as tm
+    torch.manual_seed(0)
+    H, S, DK, DV = 2, 37, 16, 32
+    calls = []
+    tuned = tm._tuned
+    tm._tuned = lambda *a, **kw: calls.append(a[0]) or tuned(*a, **kw)
+    for B, state in ((2, False), (2, False), (3, False), (2, True), (2, True)):
+        # transposed views: their strides do not show B, so only the shapes tell these cases apart
+        x = [torch.randn(B, S, H, DK).transpose(1, 2), torch.randn(B, S, H, DK).transpose(1, 2),
+             torch.randn(B, S, H, DV).transpose(1, 2), torch.randn(B, H, S), torch.randn(B, H, S) + 2]
+        st = (torch.randn(B, H, DK, DV) * .1, torch.randn(B, H, DK) * .1, torch.randn(B, H)) if state else (None,) * 3
+        want = mlstm.reference.forward(*(t.double() for t in x), *(t.double() if t is not None else None for t in st))
+        got = tm.forward(None, *x, *st, 1e-6, 64)
+        errs = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want)]
+        assert all(e <= 1e-5 for e in errs), (B, state, errs)  # NaN fails too
+    print(len(tm._FORWARD_PLANS), len(calls))
+""")
+
+
+def test_forward_plan_is_worked_out_once_per_case_in_interpreter(tmp_path):
+    """The forward provider works out a case's launches once (_ForwardPlan) and reuses them: a
+    repeated case, on new values, still matches the reference, and is neither checked nor
+    tuned again; cases whose inputs have the same strides but another batch, or a start state,
+    get plans of their own."""
+    plans, tuned = interpret(PLAN_SCRIPT, tmp_path).split()
+    assert (plans, tuned) == ("3", "3")
+
+
 def test_kernels_read_transposed_inputs_in_place(monkeypatch):
     """A model's q, k, v, gates and the incoming dh are usually transposed views ([B, S, H, D] seen
     as [B, H, S, D]). The kernels take their strides, so every launch gets the caller's tensors,
