@@ -473,7 +473,10 @@ MAX_PLANS = 4096  # cases are keyed by exact shapes: a server seeing many batch 
 
 
 def _plan_key(key, a, bs, operands) -> tuple:
-    return (key, a.stride(), *(b.stride() for b in bs), *(t.stride() for t in operands))
+    """The case key plus what a plan fixes beyond it: the inputs' strides, the device (its SM count
+    sizes a persistent grid) and, for fp32, whether TF32 is allowed (the kernel's precision)."""
+    return (key, a.device, a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32, a.stride(),
+            *(b.stride() for b in bs), *(t.stride() for t in operands))
 
 
 def _make_plan(case: "_Case", cfg: tuple, a, bs, operands) -> "_Plan | None":

@@ -367,7 +367,7 @@ class _ForwardPlan:
         return h, C, n, m
 
 
-_FORWARD_PLANS: dict = {}  # (the case: shapes, strides, dtypes, flags, the dots' precision) -> plan, or None
+_FORWARD_PLANS: dict = {}  # the case (shapes, strides, dtypes, flags, dots' precision, interpreter) -> plan or None
 MAX_PLANS = 1024  # cases are keyed by exact shapes: a server seeing many batch sizes starts over here
 
 
@@ -380,7 +380,8 @@ def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False, 
     own tuning decision), so that a backward walking the same chunks reads them.
     seq_major_h: h is written in the op's seq-major layout (ops/mlstm/op.h_like)."""
     plan_key = (q.device, q.dtype, q.shape, v.shape, q.stride(), k.stride(), v.stride(), i.stride(), f.stride(),
-                i.dtype, f.dtype, C0 is None, seq_major_h, eps, chunk_size, save, fp32_dots.dot_precision(q.dtype))
+                i.dtype, f.dtype, C0 is None, seq_major_h, eps, chunk_size, save, fp32_dots.dot_precision(q.dtype),
+                interpreting())
     plan = _FORWARD_PLANS.get(plan_key, False)
     if plan is False:
         plan = _forward_plan(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h, save)

@@ -12,3 +12,4 @@ def default_configs(monkeypatch, tmp_path):
     monkeypatch.setenv("XACCEL_TUNE", "0")
     monkeypatch.setenv("XACCEL_CACHE_DIR", str(tmp_path / "untuned"))
     monkeypatch.setattr(triton_kernels, "_CHOSEN", {})
+    monkeypatch.setattr(triton_kernels, "_FORWARD_PLANS", {})  # (a kept plan holds its decision)

@@ -118,6 +118,7 @@ def test_tuning_persists_a_decision_and_ignores_a_corrupt_entry(monkeypatch, tmp
     monkeypatch.delenv("XACCEL_TUNE")  # (the module's default_configs sets it to 0)
     monkeypatch.setenv("XACCEL_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(mlstm_triton, "_CHOSEN", {})
+    monkeypatch.setattr(mlstm_triton, "_FORWARD_PLANS", {})  # (a kept plan holds its decision)
     x = [torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     x += [torch.randn(1, 2, 256, device="cuda"), torch.randn(1, 2, 256, device="cuda") + 3]
     mlstm_triton.forward(None, *x, None, None, None, 1e-6, 64)
@@ -125,6 +126,7 @@ def test_tuning_persists_a_decision_and_ignores_a_corrupt_entry(monkeypatch, tmp
     assert len(files) == 1 and "mlstm_fwd" in files[0].read_text()
     files[0].write_text("{not json")
     monkeypatch.setattr(mlstm_triton, "_CHOSEN", {})
+    monkeypatch.setattr(mlstm_triton, "_FORWARD_PLANS", {})  # (a kept plan holds its decision)
     h = mlstm_triton.forward(None, *x, None, None, None, 1e-6, 64)[0]
     assert cache.read_entry("tuning", next(iter(mlstm_triton._CHOSEN))) is not None  # rebuilt
     assert rel_err(h, mlstm.reference.forward(*(t.double() for t in x))[0]) <= 1e-2
@@ -136,6 +138,7 @@ def test_tune_off_times_nothing_and_stores_nothing(monkeypatch, tmp_path):
     monkeypatch.setenv("XACCEL_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("XACCEL_TUNE", "0")
     monkeypatch.setattr(mlstm_triton, "_CHOSEN", {})
+    monkeypatch.setattr(mlstm_triton, "_FORWARD_PLANS", {})  # (a kept plan holds its decision)
     import triton.testing
 
     def no_timing(*a, **k):
@@ -391,10 +394,12 @@ def test_first_call_inside_a_cuda_graph_capture_uses_the_default_and_persists_no
     monkeypatch.delenv("XACCEL_TUNE")  # (the module's default_configs sets it to 0)
     monkeypatch.setenv("XACCEL_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(mlstm_triton, "_CHOSEN", {})
+    monkeypatch.setattr(mlstm_triton, "_FORWARD_PLANS", {})  # (a kept plan holds its decision)
     x = [torch.randn(1, 2, 200, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     x += [torch.randn(1, 2, 200, device="cuda"), torch.randn(1, 2, 200, device="cuda") + 3]
     mlstm_triton.forward(None, *x, None, None, None, 1e-6, 64)  # compile outside the capture ...
     monkeypatch.setattr(mlstm_triton, "_CHOSEN", {})
+    monkeypatch.setattr(mlstm_triton, "_FORWARD_PLANS", {})  # (a kept plan holds its decision)
     for p in (tmp_path / "tuning").glob("*.json"):
         p.unlink()  # ... then forget the decision
     graph = torch.cuda.CUDAGraph()
