@@ -15,6 +15,8 @@ its ATen reference costs less per call when the call runs plainly, outside a CUD
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 import sys
@@ -54,6 +56,26 @@ class Decision:
     config: object  # as stored (JSON: a list or a dict), or the untimed choice
     entry: dict = field(default_factory=dict)  # the stored entry: timings, pending builds, notes
     live: bool = False  # tuning was allowed: the entry's pending work (e.g. CUTLASS builds) counts
+
+
+_TRIAL = contextvars.ContextVar("xaccel_trial", default=False)
+
+
+@contextlib.contextmanager
+def trial():
+    """Ops run to decide whether they stay in the graph at all (choice.py measuring a region):
+    kernels tune as usual, but background work that pays off only for an op that stays (CUTLASS
+    builds) waits for the op's next call outside a trial. A replacement put back then leaves no
+    nvcc processes competing with the rest of the compile and the model's own calls."""
+    token = _TRIAL.set(True)
+    try:
+        yield
+    finally:
+        _TRIAL.reset(token)
+
+
+def in_trial() -> bool:
+    return _TRIAL.get()
 
 
 def capturing() -> bool:

@@ -414,6 +414,18 @@ def test_region_decisions_are_stored(choosing, monkeypatch):
     assert len(measured) == 3 and sum("put back" in line for line in last_report().graphs[0].region_choices) == 1
 
 
+def test_regions_are_measured_as_trials(choosing, monkeypatch):
+    """A region is measured inside tuning.trial(), so that work which pays off only for an op that
+    stays (CUTLASS builds) waits for the op's next call: a replacement put back leaves none."""
+    from torch_xaccel.codegen import tuning
+
+    seen, fixed = [], choice._measure_region
+    monkeypatch.setattr(choice, "_measure_region", lambda *a: seen.append(tuning.in_trial()) or fixed(*a))
+    _fixed_times(monkeypatch, {n: 1.0 for n in NAMES})
+    torch.compile(TwoRegions(), backend="xaccel")(torch.randn(2, 24, 32))
+    assert len(seen) == 3 and all(seen) and not tuning.in_trial()
+
+
 def test_a_region_measurement_that_fails_puts_the_original_back(choosing, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no clock")

@@ -564,7 +564,7 @@ def choose_regions(diff, example_inputs, training: bool, rests: list, device: to
         def tune(s=sides[sig]) -> dict:
             rng = _Rng(device)
             try:
-                with apart_from_dynamo():
+                with apart_from_dynamo(), tuning.trial():  # (an op put back leaves no builds running)
                     return _measure_region(s, values(), rests, training, device)
             finally:
                 rng.restore()

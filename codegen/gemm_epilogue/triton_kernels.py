@@ -298,8 +298,9 @@ def choose(case: _Case, reference_fn, make_case, steady=None) -> tuple[tuple | N
     """(config or None for ATen, CUTLASS configs still building, a note for reports on why a
     decode-size case took a config slower on the GPU than ATen, else ""). With XACCEL_CUTLASS=1 a case is
     tuned without the CUTLASS kernels that are not built yet, their builds start in the background
-    and the decision records them as pending; once they are all built (or failed) the stored
-    decision no longer counts and the case is timed again, with them. steady(cfg): a call of a
+    (inside a tuning.trial(): at the case's next call after it) and the decision records them as
+    pending; once they are all built (or failed) the stored decision no longer counts and the case
+    is timed again, with them. steady(cfg): a call of a
     config as it runs once decided (for the host time of decode-size cases, _tune)."""
     if interpreting():
         return INTERPRETER, [], ""
@@ -329,8 +330,9 @@ def choose(case: _Case, reference_fn, make_case, steady=None) -> tuple[tuple | N
     if not decision.live:
         return cfg, [], ""
     pending = [tuple(c) for c in decision.entry.get("pending") or ()]
-    for c in pending:
-        cutlass.start_build(*case.cutlass_source(c))  # no-op when built, failed or building elsewhere
+    if not tuning.in_trial():  # (in a trial, the case's next call starts them: _pending_done)
+        for c in pending:
+            cutlass.start_build(*case.cutlass_source(c))  # no-op when built, failed or building elsewhere
     note = next(("; " + why for c, _, why in decision.entry.get("timings") or () if c == "decided by"), "")
     return cfg, pending, note
 
@@ -351,8 +353,10 @@ def _pending_done(key) -> bool:
     if all(st in ("built", "failed") for st in states):
         del _PENDING[key]
         return True
+    if tuning.in_trial():
+        return False
     for src, st in zip(sources, states):
-        if st == "absent":  # deferred for a free build slot, or its build died: start it now
+        if st == "absent":  # deferred (a free build slot, a trial run), or its build died: start it now
             cutlass.start_build(*src)
     return False
 

@@ -137,6 +137,39 @@ def test_settle_waits_for_background_builds_then_the_next_call_retunes(monkeypat
     assert gemm_kernels._pending_done("case") and "case" not in gemm_kernels._PENDING
 
 
+def test_a_trial_run_leaves_cutlass_builds_to_the_cases_next_call(monkeypatch):
+    """Measuring a region (tuning.trial) tunes a case as usual but starts none of its CUTLASS
+    builds, so a replacement put back leaves no nvcc running; the case's next call outside the
+    trial starts them (its pending poll), and only then."""
+    from types import SimpleNamespace
+
+    from torch_xaccel.codegen import tuning
+    from torch_xaccel.codegen.gemm_epilogue import triton_kernels as gemm_kernels
+
+    started = []
+    monkeypatch.setattr(cutlass_kernels, "start_build", lambda name, src: started.append(name))
+    monkeypatch.setattr(cutlass_kernels, "state", lambda name, src: "absent")
+    monkeypatch.setattr(gemm_kernels, "POLL_S", 0.0)
+    monkeypatch.setattr(gemm_kernels, "interpreting", lambda: False)
+    pending = [list(c) for c in cutlass_kernels.LARGE[:2]]
+    tuned = tuning.Decision(config=list(gemm_kernels.LARGE[0]), entry={"pending": pending}, live=True)
+    monkeypatch.setattr(gemm_kernels.tuning, "decide", lambda *a, **k: tuned)
+    case = SimpleNamespace(M=4096, N=1024, dtype=torch.bfloat16, ep=SimpleNamespace(num_accs=1), a2=torch.empty(1),
+                           usable=lambda c: True, cutlass_source=lambda c: (f"kernel {c[1]}x{c[2]}", "source"),
+                           tuning_key=lambda: "case")
+    with tuning.trial():
+        cfg, waiting, _ = gemm_kernels.choose(case, None, None)
+    assert cfg == gemm_kernels.LARGE[0] and waiting == [tuple(c) for c in pending] and started == []
+    monkeypatch.setattr(gemm_kernels, "_PENDING", {"case": (0.0, [case.cutlass_source(c) for c in pending])})
+    with tuning.trial():
+        assert not gemm_kernels._pending_done("case") and started == []
+    assert not gemm_kernels._pending_done("case")
+    assert started == [case.cutlass_source(c)[0] for c in pending]
+    started.clear()
+    gemm_kernels.choose(case, None, None)  # outside a trial: at once
+    assert len(started) == len(pending)
+
+
 def test_prebuild_records_the_kernels_tuning_would_time_on_an_h200():
     """benchmarks/cutlass_prebuild.py runs a model on the CPU and collects, per gemm_epilogue call,
     the sources the GPU's tuner would build: SMALL for 64 < M <= 256, LARGE above, none for
