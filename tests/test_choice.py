@@ -43,7 +43,7 @@ def _stand_in_for_inductor(monkeypatch):
 
 def _region_outcome(monkeypatch, put_back=lambda code: False, calls: list | None = None):
     """Regions measured with fixed outcomes: put back where put_back(the replaced side's code)."""
-    def measure_region(sides, values, rests, training, device):
+    def measure_region(sides, values, rests, training, device, share=0.0):
         if calls is not None:
             calls.append(sides.replaced.code)
         back = put_back(sides.replaced.code)
@@ -420,7 +420,7 @@ def test_regions_are_measured_as_trials(choosing, monkeypatch):
     from torch_xaccel.codegen import tuning
 
     seen, fixed = [], choice._measure_region
-    monkeypatch.setattr(choice, "_measure_region", lambda *a: seen.append(tuning.in_trial()) or fixed(*a))
+    monkeypatch.setattr(choice, "_measure_region", lambda *a, **k: seen.append(tuning.in_trial()) or fixed(*a, **k))
     _fixed_times(monkeypatch, {n: 1.0 for n in NAMES})
     torch.compile(TwoRegions(), backend="xaccel")(torch.randn(2, 24, 32))
     assert len(seen) == 3 and all(seen) and not tuning.in_trial()
@@ -527,12 +527,30 @@ def test_a_replacement_faster_than_the_original_eagerly_meets_it_under_inductor(
                                                                                inductor_ms, kept):
     built = _region_times(monkeypatch, choosing, {"replaced (eager)": 0.5, "written (eager)": 1.0,
                                                   "replaced (inductor)": 0.5, "written (inductor)": inductor_ms})
+    monkeypatch.setattr(choice, "LARGE_REGION", 1.01)  # (Block's one region is nearly all of its graph)
     model, x = Block(), torch.randn(16, 32)
     _check_against_eager(torch.compile(model, backend="xaccel"), model, x)
     assert ("written", "inductor") in built
     for line in last_report().graphs[0].region_choices:
         assert "kept beside the eager rest" in line
         assert f"{'kept' if kept else 'put back'} beside the inductor rest" in line, line
+
+
+def test_a_region_that_is_most_of_the_graph_is_compared_under_inductor_by_the_graphs_candidates(choosing,
+                                                                                                monkeypatch):
+    """Building the original of a region that makes up most of the graph (a loop over time steps)
+    under Inductor costs about what the graph's own Inductor candidate costs, and that candidate
+    holds the original: the replacement stays beside the Inductor rest unbuilt there, and the
+    graph's candidates compare the two."""
+    built = _region_times(monkeypatch, choosing, {"replaced (eager)": 0.5, "written (eager)": 1.0,
+                                                  "replaced (inductor)": 0.5})
+    model, x = Block(), torch.randn(16, 32)
+    _check_against_eager(torch.compile(model, backend="xaccel"), model, x)
+    assert ("written", "inductor") not in built
+    lines = last_report().graphs[0].region_choices
+    assert lines and all("kept beside the eager rest, kept beside the inductor rest" in line
+                         and "of the graph, compared under Inductor by the graph's candidates" in line
+                         for line in lines), lines
 
 
 def test_a_replacement_slower_than_the_original_eagerly_goes_back_without_an_inductor_build(choosing, monkeypatch):
@@ -622,7 +640,7 @@ def test_a_region_as_written_is_the_whole_code_it_replaced(choosing, monkeypatch
     own replacement holds is computed there, not taken as an input)."""
     seen = []
 
-    def measure_region(sides, values, rests, training, device):
+    def measure_region(sides, values, rests, training, device, share=0.0):
         seen.append((sides.replaced.code, sides.written.code, len(sides.written_inputs)))
         return {"config": {r: choice.KEEP for r in rests}, "timings": [], "mode": "fixed"}
     monkeypatch.setattr(choice, "_measure_region", measure_region)

@@ -460,12 +460,20 @@ def apart_from_dynamo():
                 tls.metrics_context = saved
 
 
-def _measure_region(sides, values: dict, rests: list, training: bool, device: torch.device) -> dict:
+LARGE_REGION = 0.5  # a region kind this share of the graph is compared under Inductor by the graph's candidates
+
+
+def _measure_region(sides, values: dict, rests: list, training: bool, device: torch.device,
+                    share: float = 0.0) -> dict:
     """The region as replaced against the region as written, both as each rest's backend runs
     them, each side on its own captured inputs. The original is built under Inductor only where
     the replacement beats it run eagerly: elsewhere it goes back beside the Inductor rest unbuilt
     (an Inductor build of the original could only widen the gap, and is most of what measuring a
-    region costs)."""
+    region costs). Nor where the region's kind makes up most of the graph (`share` of its ops,
+    at least LARGE_REGION: a loop over time steps unrolled): that build would cost about as much
+    as the graph's own Inductor candidate, which holds the original too, so the replacement stays
+    beside the Inductor rest and the graph's candidates (xaccel with the Inductor rest, Inductor)
+    compare the two."""
     replaced_in = _region_inputs(values, sides.replaced_inputs, training)
     written_in = _region_inputs(values, sides.written_inputs, training)
     # gradients compared for the values both sides read (a side may read a survivor the other
@@ -507,7 +515,10 @@ def _measure_region(sides, values: dict, rests: list, training: bool, device: to
     unbuilt = False  # the original not built under Inductor: the replacement failed, or lost to it run eagerly
     if "inductor" in rests:
         mine = times.get(REPLACED_INDUCTOR)
-        if mine is not None and mine < times.get(WRITTEN_EAGER, math.inf):
+        if mine is not None and mine < times.get(WRITTEN_EAGER, math.inf) and share >= LARGE_REGION:
+            errors[WRITTEN_INDUCTOR] = (f"not built: the region is {share:.0%} of the graph, compared under Inductor "
+                                        "by the graph's candidates")
+        elif mine is not None and mine < times.get(WRITTEN_EAGER, math.inf):
             build("written", "inductor")
             if WRITTEN_INDUCTOR in runs:
                 measure([REPLACED_INDUCTOR, WRITTEN_INDUCTOR])
@@ -554,6 +565,7 @@ def choose_regions(diff, example_inputs, training: bool, rests: list, device: to
 
     revert = {rest: [] for rest in rests}
     lines = []
+    ops = _count_ops(diff.original)
     for sig, members in groups.items():
         where = f"{members[0].label} ({len(members)} alike) at {location(members[0].new[-1])}"
         if sides[sig] is None:
@@ -561,11 +573,12 @@ def choose_regions(diff, example_inputs, training: bool, rests: list, device: to
             continue
         key = tuning.key("region", f"{sig}|{training}|{','.join(rests)}|{settings}", device, code_digest())
 
-        def tune(s=sides[sig]) -> dict:
+        def tune(s=sides[sig], n=len(members)) -> dict:
             rng = _Rng(device)
             try:
                 with apart_from_dynamo(), tuning.trial():  # (an op put back leaves no builds running)
-                    return _measure_region(s, values(), rests, training, device)
+                    return _measure_region(s, values(), rests, training, device,
+                                           share=n * _count_ops(s.written) / max(ops, 1))
             finally:
                 rng.restore()
         try:
@@ -585,6 +598,10 @@ def choose_regions(diff, example_inputs, training: bool, rests: list, device: to
         lines.append(f"{where}: {said} [{entry.get('mode', 'stored')}: {times}]")
         logs.log.debug("region %s", lines[-1])  # as each is decided (the report comes after the compile)
     return revert, lines
+
+
+def _count_ops(gm: torch.fx.GraphModule) -> int:
+    return sum(1 for node in gm.graph.nodes if node.op == "call_function")
 
 
 def same_outputs(a: torch.fx.GraphModule, b: torch.fx.GraphModule, args) -> bool:
