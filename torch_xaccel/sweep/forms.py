@@ -338,6 +338,104 @@ def xlstm_block_stack(size: dict) -> nn.Module:
     return build(size["d"], size["blocks"], size.get("slstm_at", []), "vanilla", size["B"], size["S"], size["nh"])
 
 
+# --- 9. mlstm_recurrent: the paper's stabilized recurrent form, one step per position --------------
+
+class MLSTMRecurrent(nn.Module):
+    """The mLSTM step by step as the xLSTM paper writes its recurrent form, [B, S, NH, DH] layout:
+
+        m_t = max(logsigmoid(f~_t) + m_{t-1}, i~_t)
+        i'_t = exp(i~_t - m_t),  f'_t = exp(logsigmoid(f~_t) + m_{t-1} - m_t)
+        C_t = f'_t C_{t-1} + i'_t v_t k_t^T,  n_t = f'_t n_{t-1} + i'_t k_t   (k scaled by 1/sqrt(DH))
+        h_t = C_t q_t / (max(|n_t^T q_t|, exp(-m_t)) + eps)
+
+    C_t [B, NH, DH(v), DH(k)], n_t [B, NH, DH], m_t [B, NH]; C_0 = n_0 = 0 and m_0 = -inf (no start
+    state: f'_1 = exp(-inf) = 0, m_1 = i~_1), so m_t is the running max the parallel form takes as
+    its row max and h_t is that form's exactly, eps included. q, k, v from one fused projection
+    with the heads interleaved ([NH, 3, DH] columns), both gates from one Linear (2 NH outputs:
+    input, forget), the h_t stacked over time."""
+
+    def __init__(self, d: int, nh: int, fp32_rec: bool, eps: float = 1e-6):
+        super().__init__()
+        self.nh, self.dh, self.fp32_rec, self.eps = nh, d // nh, fp32_rec, eps
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.gates = nn.Linear(d, 2 * nh)
+        self.proj = nn.Linear(d, d, bias=False)
+        with torch.no_grad():
+            self.gates.bias[:nh].zero_()
+            self.gates.bias[nh:] = torch.linspace(3.0, 6.0, nh)
+
+    def forward(self, x):
+        B, S, d = x.shape
+        q, k, v = self.qkv(x).view(B, S, self.nh, 3, self.dh).unbind(3)  # each [B, S, NH, DH]
+        i_pre, f_pre = self.gates(x).chunk(2, dim=-1)  # each [B, S, NH]
+        if self.fp32_rec:
+            ct = _compute_dtype(x)
+            q, k, v, i_pre, f_pre = (t.to(ct) for t in (q, k, v, i_pre, f_pre))
+        k = k / math.sqrt(self.dh)
+        log_f = F.logsigmoid(f_pre)
+        C = q.new_zeros(B, self.nh, self.dh, self.dh)
+        n = q.new_zeros(B, self.nh, self.dh)
+        m = q.new_full((B, self.nh), float("-inf"))
+        hs = []
+        for t in range(S):
+            q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]
+            m_t = torch.maximum(log_f[:, t] + m, i_pre[:, t])
+            i_g = torch.exp(i_pre[:, t] - m_t)
+            f_g = torch.exp(log_f[:, t] + m - m_t)
+            C = f_g[:, :, None, None] * C + i_g[:, :, None, None] * torch.einsum("bhv,bhk->bhvk", v_t, k_t)
+            n = f_g[:, :, None] * n + i_g[:, :, None] * k_t
+            num = torch.einsum("bhvk,bhk->bhv", C, q_t)
+            den = torch.maximum(torch.einsum("bhk,bhk->bh", n, q_t).abs(), torch.exp(-m_t)) + self.eps
+            hs.append(num / den[:, :, None])
+            m = m_t
+        h = torch.stack(hs, dim=1)  # [B, S, NH, DH]
+        return self.proj(h.reshape(B, S, d).to(x.dtype))
+
+
+# --- 10. slstm_paper: the sLSTM cell as the xLSTM paper writes it, states as a tuple ----------------
+
+class SLSTMPaper(nn.Module):
+    """The sLSTM with the paper's gate order (i, f, z, o): pre-activations W x_t (one Linear for the
+    four gates of every head, computed for the whole sequence before the loop) + R h_{t-1} (R
+    [NH, DH, 4 DH]: block-diagonal, one einsum per step) + b [NH, 4 DH];
+        m_t = max(logsigmoid(f~) + m_{t-1}, i~),  i' = exp(i~ - m_t),  f' = exp(logsigmoid(f~) + m_{t-1} - m_t)
+        c_t = f' c_{t-1} + i' tanh(z~),  n_t = f' n_{t-1} + i',  h_t = sigmoid(o~) c_t / n_t
+    The state (h, c, n, m) is one tuple, zeros at the start, in fp32 (fp64 in an fp64 reference);
+    the h_t stacked over time."""
+
+    def __init__(self, d: int, nh: int):
+        super().__init__()
+        self.nh, self.dh = nh, d // nh
+        self.W = nn.Linear(d, 4 * d, bias=False)  # columns [NH, 4 (i, f, z, o), DH]
+        self.R = nn.Parameter(torch.randn(nh, d // nh, 4 * (d // nh)) / math.sqrt(d // nh))
+        self.b = nn.Parameter(torch.zeros(nh, 4, d // nh))
+        self.proj = nn.Linear(d, d, bias=False)
+        with torch.no_grad():  # forget gates open: 3 .. 6 over the heads' units
+            self.b[:, 1] = torch.linspace(3.0, 6.0, d).view(nh, d // nh)
+
+    def forward(self, x):
+        B, S, d = x.shape
+        st = _compute_dtype(x)
+        wx = self.W(x).to(st).view(B, S, self.nh, 4 * self.dh)
+        R, b = self.R.to(st), self.b.to(st).view(self.nh, 4 * self.dh)
+        zeros = x.new_zeros(B, self.nh, self.dh, dtype=st)
+        state = (zeros, zeros, zeros, zeros)  # h, c, n, m
+        hs = []
+        for t in range(S):
+            h, c, n, m = state
+            pre = wx[:, t] + torch.einsum("bhd,hdg->bhg", h, R) + b
+            i_pre, f_pre, z_pre, o_pre = pre.chunk(4, dim=-1)
+            log_f = F.logsigmoid(f_pre)
+            m_t = torch.maximum(log_f + m, i_pre)
+            i_g, f_g = torch.exp(i_pre - m_t), torch.exp(log_f + m - m_t)
+            c_t = f_g * c + i_g * torch.tanh(z_pre)
+            n_t = f_g * n + i_g
+            h_t = torch.sigmoid(o_pre) * c_t / n_t
+            state = (h_t, c_t, n_t, m_t)
+            hs.append(h_t)
+        return self.proj(torch.stack(hs, dim=1).reshape(B, S, d).to(x.dtype))
+
+
 # --- the registry -----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -368,6 +466,9 @@ FORMS: dict[str, Form] = {f.name: f for f in (
     Form("gemm_chain", lambda s, dt, mo: GemmChain(s["d"]), "rows"),
     Form("hf_xlstm", lambda s, dt, mo: HFCausalLM(s, mo), "ids", hf_unavailable, dtypes=("bf16",)),
     Form("xlstm_stack", lambda s, dt, mo: xlstm_block_stack(s), "embed", xlstm_unavailable, dtypes=("bf16",)),
+    Form("mlstm_recurrent", _mlstm_form(MLSTMRecurrent), "embed", dtypes=("bf16", "bf16/fp32rec", "fp32")),
+    Form("slstm_paper", lambda s, dt, mo: Stack([PreNormBlock(s["d"], SLSTMPaper(s["d"], s["nh"]), RMSNorm)
+                                                 for _ in range(s.get("blocks", 2))]), "embed"),
 )}
 
 
@@ -439,6 +540,10 @@ ROW_SIZES = [dict(M=M, d=d) for d in (1024, 2048, 4096) for M in (1, 16, 256, 40
 HF_SIZES = [dict(d=1024, nh=4, blocks=2, S=512, B=4, vocab=50304),
             dict(d=2048, nh=4, blocks=2, S=2048, B=2, vocab=50304),
             dict(d=4096, nh=8, blocks=2, S=2048, B=2, vocab=50304)]
+# loops over time unrolled by Dynamo: S at most 256 (the recurrent mLSTM's step is ~15 ops, its
+# state B NH DH^2 per position in a train row)
+RECURRENT_MLSTM_SIZES = [dict(d=256, nh=4, S=128, B=64), dict(d=256, nh=4, S=256, B=32),
+                         dict(d=512, nh=8, S=256, B=16), dict(d=1024, nh=4, S=128, B=16)]
 STACK_SIZES = [dict(d=512, nh=4, blocks=2, S=512, B=8), dict(d=512, nh=4, blocks=2, slstm_at=[1], S=256, B=8),
                dict(d=1024, nh=4, blocks=4, S=2048, B=4), dict(d=768, nh=4, blocks=4, slstm_at=[3], S=512, B=8)]
 
@@ -458,13 +563,16 @@ def full_grid() -> list[dict]:
         rows += _rows(form, ROW_SIZES, ("bf16",)) + _rows(form, [dict(M=4096, d=1024), dict(M=4096, d=2048)],
                                                            ("fp32",))
     rows += _rows("hf_xlstm", HF_SIZES, ("bf16",)) + _rows("xlstm_stack", STACK_SIZES, ("bf16",))
+    rows += _rows("mlstm_recurrent", RECURRENT_MLSTM_SIZES, ("bf16", "bf16/fp32rec"))
+    rows += _rows("mlstm_recurrent", RECURRENT_MLSTM_SIZES[:2], ("fp32",))
+    rows += _rows("slstm_paper", SLSTM_SIZES, ("bf16",)) + _rows("slstm_paper", SLSTM_SIZES[:3], ("fp32",))
     return rows
 
 
 # --quick: each form once at a moderate size, forward and train. Cold first calls dominate: on an
 # H100, 40-100 s a row (xaccel's first call also compiles and times the measured choice's Inductor
-# candidates), about 10 minutes in all; loops unrolled over time (the sLSTM rows, the chunkwise form)
-# cost the most compile, hence their short sequences here.
+# candidates), about 10 minutes in all; loops unrolled over time (the sLSTM rows, the chunkwise and
+# recurrent mLSTM forms) cost the most compile, hence their short sequences here.
 QUICK = [
     dict(form="mlstm_paper", size=dict(d=1024, nh=4, S=2048, B=4), dtype="bf16", mode="fwd"),
     dict(form="mlstm_paper", size=dict(d=1024, nh=4, S=2048, B=4), dtype="bf16/fp32rec", mode="train"),
@@ -475,6 +583,8 @@ QUICK = [
     dict(form="gemm_chain", size=dict(M=16, d=4096), dtype="bf16", mode="fwd"),
     dict(form="hf_xlstm", size=dict(d=1024, nh=4, blocks=2, S=512, B=4, vocab=50304), dtype="bf16", mode="fwd"),
     dict(form="xlstm_stack", size=dict(d=512, nh=4, blocks=2, S=512, B=8), dtype="bf16", mode="fwd"),
+    dict(form="mlstm_recurrent", size=dict(d=512, nh=4, S=64, B=16), dtype="bf16/fp32rec", mode="fwd"),
+    dict(form="slstm_paper", size=dict(d=512, nh=4, S=64, B=32), dtype="bf16", mode="fwd"),
 ]
 
 # CPU rows: tiny sizes, each form once per mode (timings are ratios within one process)
@@ -488,6 +598,8 @@ CPU = [
     # hidden 128: transformers sizes its cache by hidden / 2 rounded up to 64, its kernels by hidden / 2
     *_rows("hf_xlstm", [dict(d=128, nh=2, blocks=2, S=32, B=2, vocab=256, L=16)], ("bf16",)),
     *_rows("xlstm_stack", [dict(d=64, nh=2, blocks=2, slstm_at=[1], S=32, B=2)], ("bf16",)),
+    *_rows("mlstm_recurrent", [dict(d=64, nh=2, S=32, B=2)], ("bf16", "bf16/fp32rec")),
+    *_rows("slstm_paper", [dict(d=32, nh=2, S=16, B=2)], ("bf16",)),
 ]
 
 
