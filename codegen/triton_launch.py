@@ -17,6 +17,15 @@ def _guard(tensors) -> tuple:
     return tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors)
 
 
+def remember(table: dict, key, value, limit: int) -> None:
+    """table[key] = value, the table started over once it holds `limit` entries: launch plans are
+    keyed by exact shapes, and a server seeing many batch sizes would otherwise grow them without
+    bound."""
+    if len(table) >= limit:
+        table.clear()
+    table[key] = value
+
+
 class DirectLaunch:
     """The CompiledKernel that `kernel[grid](*args, **meta)` returned, ready to launch again on
     arguments in the same positions (`tensors`: those that vary between calls)."""
@@ -64,9 +73,8 @@ class LaunchCache:
             return
         compiled = kernel[grid](*args, **meta)
         if direct is None:
-            if len(self.entries) >= self.limit:
-                self.entries.clear()
-            self.entries[key] = DirectLaunch.capture(kernel, compiled, grid, meta, len(args), tensors) or False
+            remember(self.entries, key, DirectLaunch.capture(kernel, compiled, grid, meta, len(args), tensors) or False,
+                     self.limit)
 
     def launch_any(self, kernel, grid: tuple, args: tuple, meta: dict) -> None:
         """launch() with the key made from the call itself: the kernel, the grid, the constexprs and

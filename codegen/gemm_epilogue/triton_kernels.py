@@ -19,7 +19,7 @@ from torch_xaccel.runtime import interpreting
 
 from .. import cache, tuning
 from ..limits import INT32_LIMIT, SHARED_LIMIT, reach
-from ..triton_launch import DirectLaunch
+from ..triton_launch import DirectLaunch, remember
 from . import cutlass_kernels as cutlass
 from .render import TEMPLATES, render_triton
 
@@ -527,9 +527,7 @@ class _AtenPlan:
 
 
 def _keep_plan(key, a, bs, operands, plan) -> None:
-    if len(_PLANS) >= MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[_plan_key(key, a, bs, operands)] = plan
+    remember(_PLANS, _plan_key(key, a, bs, operands), plan, MAX_PLANS)
 
 
 def provider(key, a, bs, operands, epilogue, b_transposed):

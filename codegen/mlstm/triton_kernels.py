@@ -22,7 +22,7 @@ from torch_xaccel.runtime import interpreting
 from .. import cache, precision as fp32_dots, tuning
 from ..limits import INT32_LIMIT, reach
 from ..render import Templates
-from ..triton_launch import LaunchCache
+from ..triton_launch import LaunchCache, remember
 from . import configs
 
 TEMPLATES = Templates(Path(__file__).parent / "templates")
@@ -368,7 +368,7 @@ class _ForwardPlan:
 
 
 _FORWARD_PLANS: dict = {}  # the case (shapes, strides, dtypes, flags, dots' precision, interpreter) -> plan or None
-MAX_PLANS = 1024  # cases are keyed by exact shapes: a server seeing many batch sizes starts over here
+MAX_PLANS = 1024  # entries per plan table (triton_launch.remember)
 
 
 def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False, save=False):
@@ -386,9 +386,7 @@ def forward(key, q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h=False, 
     if plan is False:
         plan = _forward_plan(q, k, v, i, f, C0, n0, m0, eps, chunk_size, seq_major_h, save)
         if not tuning.capturing():  # (a decision made inside a capture is not kept: a later call tunes)
-            if len(_FORWARD_PLANS) >= MAX_PLANS:
-                _FORWARD_PLANS.clear()
-            _FORWARD_PLANS[plan_key] = plan
+            remember(_FORWARD_PLANS, plan_key, plan, MAX_PLANS)
     if plan is None:
         return NotImplemented
     return plan(q, k, v, i, f, C0, n0, m0)
@@ -542,9 +540,7 @@ def _step_plan(q_dtype, k_dtype, v_dtype, B: int, H: int, DK: int, DV: int):
         DKP, DVP = configs.padded(DK), configs.padded(DV)
         BV = min(DVP, 64)
         plan = (key, _KERNELS[key], dict(DK=DKP, DV=DVP, BV=BV), (B * H, _tiles(DV, BV)))
-    if len(_STEP_PLANS) >= 1024:
-        _STEP_PLANS.clear()
-    _STEP_PLANS[case] = plan
+    remember(_STEP_PLANS, case, plan, MAX_PLANS)
     return plan
 
 

@@ -21,7 +21,7 @@ from .. import cache
 from ..gemm_epilogue.render import compute_expr
 from ..limits import INT32_LIMIT, cdiv, next_power_of_2, reach
 from ..render import Templates
-from ..triton_launch import LaunchCache
+from ..triton_launch import LaunchCache, remember
 
 TEMPLATES = Templates(Path(__file__).parent / "templates")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -142,9 +142,7 @@ def forward(key, inputs, program_json):
     plan = _PLANS.get((key, device))
     if plan is None:
         plan = _plan(inputs, parse(program_json))
-        if len(_PLANS) >= 4096:
-            _PLANS.clear()
-        _PLANS[(key, device)] = plan
+        remember(_PLANS, (key, device), plan, 4096)
     if plan is NotImplemented:
         return NotImplemented
     program, kernel, grid, ints, meta = plan
