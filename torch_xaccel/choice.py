@@ -515,10 +515,11 @@ def _measure_region(sides, values: dict, rests: list, training: bool, device: to
     unbuilt = False  # the original not built under Inductor: the replacement failed, or lost to it run eagerly
     if "inductor" in rests:
         mine = times.get(REPLACED_INDUCTOR)
-        if mine is not None and mine < times.get(WRITTEN_EAGER, math.inf) and share >= LARGE_REGION:
+        beats_eager = mine is not None and mine < times.get(WRITTEN_EAGER, math.inf)
+        if beats_eager and share >= LARGE_REGION:
             errors[WRITTEN_INDUCTOR] = (f"not built: the region is {share:.0%} of the graph, compared under Inductor "
                                         "by the graph's candidates")
-        elif mine is not None and mine < times.get(WRITTEN_EAGER, math.inf):
+        elif beats_eager:
             build("written", "inductor")
             if WRITTEN_INDUCTOR in runs:
                 measure([REPLACED_INDUCTOR, WRITTEN_INDUCTOR])
